@@ -1,0 +1,274 @@
+"""HDET configuration: what is explored (axes) and how arms fan out, converge and learn.
+
+Pure module: no torch.distributed, no megatron.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, fields, replace
+from typing import Optional, Sequence, Union
+
+#: Axes whose spread is additive (the value can be 0); all others are multiplicative.
+ADDITIVE_AXES = frozenset({"dropout"})
+_FIXED_AXES = ("lr", "weight_decay", "dropout", "attention_temperature")
+_GROUP_AXIS = re.compile(r"^lr:(?P<group>[A-Za-z0-9_.*\-]+)$")
+
+
+class HDETConfigError(ValueError):
+    """A bad HDET configuration value; the message names the field and what to do."""
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One explored scalar hyperparameter (paper Remark 1)."""
+
+    name: str
+    """``lr`` (all param groups), ``lr:<group>`` (one Megatron param group, by name or pattern),
+    ``weight_decay``, ``dropout`` or ``attention_temperature``."""
+    spread: float
+    """Spread alpha. Multiplicative axes: arm multipliers lie in ``[1-alpha, 1+alpha]`` (linear)
+    or ``[exp(-alpha), exp(alpha)]`` (log); must be in [0, 1) for linear. Additive axes
+    (dropout): arm offsets lie in ``[-alpha, +alpha]`` around the base value."""
+    kind: str = "linear"
+    """``linear`` (the paper's evenly spaced values, mean exactly 1) or ``log`` (log-symmetric,
+    geometric mean 1)."""
+    min: Optional[float] = None
+    """Lower bound of the value an arm may use (after scale and spread); None = unbounded."""
+    max: Optional[float] = None
+    """Upper bound of the value an arm may use; None = unbounded."""
+
+    @property
+    def additive(self) -> bool:
+        """Additive spread (values that can be 0, e.g. dropout) rather than multiplicative."""
+        return self.name in ADDITIVE_AXES
+
+    @property
+    def group(self) -> Optional[str]:
+        """The param-group selector of an ``lr:<group>`` axis, else None."""
+        match = _GROUP_AXIS.match(self.name)
+        return match.group("group") if match else None
+
+    def validate(self) -> None:
+        if not isinstance(self.name, str) or not (
+            self.name in _FIXED_AXES or _GROUP_AXIS.match(self.name)
+        ):
+            raise HDETConfigError(
+                f"Axis.name={self.name!r} is not a known axis; use one of "
+                f"{', '.join(_FIXED_AXES)} or 'lr:<group>'"
+            )
+        if not isinstance(self.spread, (int, float)) or not math.isfinite(self.spread):
+            raise HDETConfigError(f"Axis({self.name!r}).spread={self.spread!r} must be a finite number")
+        if self.spread < 0:
+            raise HDETConfigError(
+                f"Axis({self.name!r}).spread={self.spread} is negative; use a value >= 0 "
+                "(0 switches the fan-out of this axis off)"
+            )
+        if self.kind not in ("linear", "log"):
+            raise HDETConfigError(f"Axis({self.name!r}).kind={self.kind!r} must be 'linear' or 'log'")
+        if not self.additive and self.kind == "linear" and self.spread >= 1:
+            raise HDETConfigError(
+                f"Axis({self.name!r}).spread={self.spread} >= 1 gives an arm a multiplier <= 0; "
+                "use spread < 1 (the paper uses 1/9) or kind='log'"
+            )
+        for bound in ("min", "max"):
+            value = getattr(self, bound)
+            if value is not None and (not isinstance(value, (int, float)) or math.isnan(value)):
+                raise HDETConfigError(f"Axis({self.name!r}).{bound}={value!r} must be a number or None")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise HDETConfigError(
+                f"Axis({self.name!r}) bounds are inverted: min={self.min} > max={self.max}"
+            )
+
+
+def _default_axes() -> tuple[Axis, ...]:
+    return (Axis("lr", 1.0 / 9.0),)
+
+
+@dataclass(frozen=True)
+class HDETConfig:
+    """Hyperparameter-Divergent Ensemble Training settings (defaults follow the paper)."""
+
+    period: int = 1000
+    """Converge period T in optimizer steps: arms fan out for T steps, then average."""
+    arms: Optional[int] = None
+    """Number of arms A; None = one per data-parallel replica. Must divide the DP size."""
+    grad_sync: str = "global"
+    """``global``: gradients are all-reduced across all DP ranks every step (the paper);
+    ``arm``: only inside an arm during fan-out (local-SGD style, less DP traffic)."""
+    axes: tuple[Axis, ...] = field(default_factory=_default_axes)
+    """Explored hyperparameters, each with its own spread and per-window permutation."""
+    auto: bool = True
+    """Run the auto controller (moves each axis' shared base toward the better arms)."""
+    auto_start: int = 0
+    """Optimizer steps before the controller may move (windows before it still fan out)."""
+    temperature: Union[float, str] = 0.1
+    """Softmax temperature sigma over the arms' loss advantages, or ``"auto"`` (std of the
+    arms' window losses)."""
+    meta_lr: float = 0.5
+    """Meta learning rate lambda of the controller update."""
+    momentum: float = 0.9
+    """Momentum beta of the controller's velocity."""
+    scale_bounds: tuple[float, float] = (0.01, 100.0)
+    """Clamp ``[c_min, c_max]`` of every multiplicative axis' learned scale."""
+    rule: str = "relative"
+    """``relative`` (our dimensionless update ``c <- c (1 + lambda v)``) or ``paper`` (the
+    paper's absolute update, with the decay taken from the base schedule)."""
+    seed: int = 0
+    """Seed of the counter-based generator of per-window permutations (global RNGs untouched)."""
+    bucket_mb: float = 40.0
+    """Bucket size of the converge all-reduce, in MiB."""
+    converge_on_save: bool = True
+    """Converge before a checkpoint is written, so the saved model is the averaged one."""
+    nonfinite: str = "exclude"
+    """A non-finite arm: ``exclude`` (weight 0, overwritten by the healthy arms' average) or
+    ``raise`` (stop with an error)."""
+    rollback: bool = False
+    """When every arm is non-finite: restore the last converged state and cut the scale,
+    instead of raising."""
+
+    def __post_init__(self) -> None:
+        # Accept lists for axes/scale_bounds (from argparse or JSON) but store tuples.
+        if isinstance(self.axes, list):
+            object.__setattr__(self, "axes", tuple(self.axes))
+        if isinstance(self.scale_bounds, list):
+            object.__setattr__(self, "scale_bounds", tuple(self.scale_bounds))
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, value, why: str) -> HDETConfigError:
+            return HDETConfigError(f"HDETConfig.{name}={value!r}: {why}")
+
+        if isinstance(self.period, bool) or not isinstance(self.period, int) or self.period < 1:
+            raise bad("period", self.period, "must be an integer >= 1 (steps between converges)")
+        if self.arms is not None and (
+            isinstance(self.arms, bool) or not isinstance(self.arms, int) or self.arms < 1
+        ):
+            raise bad("arms", self.arms, "must be an integer >= 1 or None (one arm per DP replica)")
+        if self.grad_sync not in ("global", "arm"):
+            raise bad("grad_sync", self.grad_sync, "must be 'global' or 'arm'")
+        if not isinstance(self.axes, tuple) or not all(isinstance(a, Axis) for a in self.axes):
+            raise bad("axes", self.axes, "must be a sequence of Axis(name, spread, ...)")
+        seen: set[str] = set()
+        for axis in self.axes:
+            axis.validate()
+            if axis.name in seen:
+                raise bad("axes", axis.name, "the same axis is given twice; give each axis once")
+            seen.add(axis.name)
+        if "lr" in seen and any(Axis(n, 0).group for n in seen):
+            raise bad(
+                "axes",
+                sorted(seen),
+                "'lr' and 'lr:<group>' axes overlap; use either one global LR axis or per-group axes",
+            )
+        if not isinstance(self.auto, bool):
+            raise bad("auto", self.auto, "must be True or False")
+        if isinstance(self.auto_start, bool) or not isinstance(self.auto_start, int) or self.auto_start < 0:
+            raise bad("auto_start", self.auto_start, "must be an integer >= 0")
+        if isinstance(self.temperature, str):
+            if self.temperature != "auto":
+                raise bad("temperature", self.temperature, "must be a positive number or 'auto'")
+        elif (
+            not isinstance(self.temperature, (int, float))
+            or not math.isfinite(self.temperature)
+            or self.temperature <= 0
+        ):
+            raise bad("temperature", self.temperature, "sigma must be > 0 (or 'auto')")
+        if not isinstance(self.meta_lr, (int, float)) or not math.isfinite(self.meta_lr) or self.meta_lr < 0:
+            raise bad("meta_lr", self.meta_lr, "must be a finite number >= 0")
+        if not isinstance(self.momentum, (int, float)) or not 0 <= self.momentum < 1:
+            raise bad("momentum", self.momentum, "must be in [0, 1)")
+        lo_hi = self.scale_bounds
+        if (
+            not isinstance(lo_hi, tuple)
+            or len(lo_hi) != 2
+            or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in lo_hi)
+        ):
+            raise bad("scale_bounds", lo_hi, "must be two finite numbers (c_min, c_max)")
+        if lo_hi[0] <= 0 or lo_hi[0] > 1 or lo_hi[1] < 1:
+            raise bad(
+                "scale_bounds",
+                lo_hi,
+                "need 0 < c_min <= 1 <= c_max (the scale starts at 1); bounds inverted?",
+            )
+        if self.rule not in ("relative", "paper"):
+            raise bad("rule", self.rule, "must be 'relative' or 'paper'")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise bad("seed", self.seed, "must be an integer >= 0")
+        if not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
+            raise bad("bucket_mb", self.bucket_mb, "must be > 0 (MiB per converge bucket)")
+        if not isinstance(self.converge_on_save, bool):
+            raise bad("converge_on_save", self.converge_on_save, "must be True or False")
+        if self.nonfinite not in ("exclude", "raise"):
+            raise bad("nonfinite", self.nonfinite, "must be 'exclude' or 'raise'")
+        if not isinstance(self.rollback, bool):
+            raise bad("rollback", self.rollback, "must be True or False")
+
+    def axis(self, name: str) -> Optional[Axis]:
+        """The axis called ``name``, or None."""
+        return next((a for a in self.axes if a.name == name), None)
+
+    def replace(self, **changes) -> "HDETConfig":
+        return replace(self, **changes)
+
+    def fingerprint(self) -> dict:
+        """Plain-data view (for checkpoints and logs)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "axes":
+                value = [
+                    {"name": a.name, "spread": a.spread, "kind": a.kind, "min": a.min, "max": a.max}
+                    for a in value
+                ]
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_fingerprint(cls, data: dict) -> "HDETConfig":
+        data = dict(data)
+        data["axes"] = tuple(Axis(**a) for a in data.get("axes", []))
+        if "scale_bounds" in data:
+            data["scale_bounds"] = tuple(data["scale_bounds"])
+        return cls(**data)
+
+
+def parse_axis(text: str) -> Axis:
+    """Parse ``NAME:SPREAD[:MIN:MAX]`` (the ``--hdet-axis`` flag); ``lr:<group>`` names allowed.
+
+    Examples: ``lr:0.111``, ``dropout:0.05:0:0.3``, ``lr:embedding:0.2``.
+    """
+    parts = text.split(":")
+    # An lr:<group> name contains one colon itself.
+    if len(parts) >= 2 and parts[0] == "lr" and not _is_number(parts[1]):
+        parts = [parts[0] + ":" + parts[1]] + parts[2:]
+    if len(parts) not in (2, 4):
+        raise HDETConfigError(
+            f"--hdet-axis {text!r}: expected NAME:SPREAD or NAME:SPREAD:MIN:MAX "
+            "(e.g. lr:0.111 or dropout:0.05:0:0.3)"
+        )
+    try:
+        numbers = [float(p) if p != "" else None for p in parts[1:]]
+    except ValueError:
+        raise HDETConfigError(f"--hdet-axis {text!r}: SPREAD, MIN and MAX must be numbers") from None
+    if numbers[0] is None:
+        raise HDETConfigError(f"--hdet-axis {text!r}: SPREAD is required")
+    axis = Axis(parts[0], numbers[0], min=numbers[1] if len(numbers) > 1 else None,
+                max=numbers[2] if len(numbers) > 2 else None)
+    axis.validate()
+    return axis
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def axes_from_strings(items: Sequence[str]) -> tuple[Axis, ...]:
+    return tuple(parse_axis(item) for item in items)

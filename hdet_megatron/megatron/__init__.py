@@ -1,0 +1,1 @@
+"""Everything in hdet_megatron that imports megatron.core lives in this package."""

@@ -1,0 +1,362 @@
+"""Shims that let megatron-core 0.19.2 run on a machine without CUDA (gloo backend).
+
+Everything CPU-specific lives here and is applied by one call, :func:`apply_cpu_shims`, before
+(or after) ``import megatron.core``. It is idempotent and a no-op where CUDA is available.
+
+Design: no global interception (a ``TorchFunctionMode`` that rewrites ``device="cuda"`` costs
+about 25% per step). Instead each shim targets one *named* megatron function:
+
+* A. ``megatron.core.transformer.moe.ops.paged_stash`` imports triton unconditionally; a stub
+  module stands in for it (only that module; ``triton`` itself is left absent because many
+  megatron modules ``try: import triton``).
+* B. the model-parallel RNG tracker reads/writes the CUDA generator; it is routed to the CPU
+  generator (``tensor_parallel.random._get_cuda_rng_state``, ``_set_cuda_rng_state``,
+  ``CudaRNGStatesTracker.add``).
+* C/D. functions on megatron's hot paths that call ``torch.cuda.current_device()``,
+  ``torch.cuda.synchronize()``, streams, or create ``device="cuda"`` tensors, or check
+  ``param.type() == "torch.cuda.FloatTensor"``: their source is recompiled with those exact
+  spellings replaced by CPU equivalents (:data:`SOURCE_REWRITES`). The recompiled function has
+  no run-time cost over the original. Each rewrite asserts that every pattern it replaces is
+  still in the upstream source, so an upstream change fails loudly instead of silently.
+
+``tests/test_cpu_shims.py`` proves each shim is still needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import sys
+import textwrap
+import types
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+MEGATRON_CORE_VERSION = "0.19.2"
+
+_PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
+
+
+class ShimError(RuntimeError):
+    """An upstream function no longer looks like the code a shim was written for."""
+
+
+@dataclass(frozen=True)
+class SourceRewrite:
+    """Recompile one megatron function with literal CUDA spellings replaced."""
+
+    module: str
+    """Dotted module name, e.g. ``megatron.core.optimizer.clip_grads``."""
+    qualname: str
+    """``func`` or ``Class.method`` inside :attr:`module`."""
+    replacements: tuple[tuple[str, str], ...]
+    """``(old, new)`` source substrings; every ``old`` must occur in the upstream source."""
+
+
+class _CpuStream:
+    """Stands in for ``torch.cuda.Stream``: on CPU every op is already ordered."""
+
+    def wait_stream(self, other) -> None:  # noqa: D401 - mirrors torch API
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+def _cpu_stream(*_args, **_kwargs) -> _CpuStream:
+    return _CpuStream()
+
+
+def _nullcontext(*_args, **_kwargs):
+    return contextlib.nullcontext()
+
+
+# Names the rewritten sources may reference; injected into the rewritten function's globals.
+_SHIM_GLOBALS = {
+    "_hdet_cpu_stream": _cpu_stream,
+    "_hdet_nullcontext": _nullcontext,
+}
+
+_CUDA_DEVICE = (
+    ("device='cuda'", "device='cpu'"),
+    ('device="cuda"', 'device="cpu"'),
+)
+_CURRENT_DEVICE = (("torch.cuda.current_device()", "'cpu'"),)
+_SYNC = (("torch.cuda.synchronize()", "None"),)
+_TYPE_CHECKS = (
+    ("'torch.cuda.FloatTensor'", "'torch.FloatTensor'"),
+    ("'torch.cuda.HalfTensor'", "'torch.HalfTensor'"),
+    ("'torch.cuda.BFloat16Tensor'", "'torch.BFloat16Tensor'"),
+)
+
+SOURCE_REWRITES: tuple[SourceRewrite, ...] = (
+    # Causal mask of the unfused softmax (local attention path).
+    SourceRewrite("megatron.core.transformer.utils", "get_default_causal_mask", _CUDA_DEVICE[1:]),
+    SourceRewrite("megatron.core.utils", "local_multi_tensor_l2_norm", _CUDA_DEVICE[1:]),
+    # fp16 loss scalers keep their scale in a CUDA tensor.
+    SourceRewrite("megatron.core.optimizer.grad_scaler", "MegatronGradScaler.__init__", _CUDA_DEVICE[:1]),
+    SourceRewrite(
+        "megatron.core.optimizer.grad_scaler", "DynamicGradScaler.__init__", _CUDA_DEVICE[:1]
+    ),
+    # Global memory buffer used by TP sequence-parallel gathers and others.
+    SourceRewrite("megatron.core.utils", "GlobalMemoryBuffer.get_tensor", _CURRENT_DEVICE),
+    # DDP grad buffers and the grad-sync streams.
+    SourceRewrite(
+        "megatron.core.distributed.param_and_grad_buffer",
+        "_ParamAndGradBuffer.__init__",
+        _CURRENT_DEVICE + (('device="cuda"', 'device="cpu"'),),
+    ),
+    SourceRewrite(
+        "megatron.core.distributed.param_and_grad_buffer",
+        "_ParamAndGradBucketGroup.start_grad_sync",
+        (
+            ("torch.cuda.current_stream()", "_hdet_cpu_stream()"),
+            ("torch.cuda.stream(", "_hdet_nullcontext("),
+        ),
+    ),
+    SourceRewrite(
+        "megatron.core.distributed.param_and_grad_buffer",
+        "_ParamAndGradBucketGroup.finish_grad_sync",
+        (("torch.cuda.current_stream()", "_hdet_cpu_stream()"),),
+    ),
+    SourceRewrite(
+        "megatron.core.distributed.distributed_data_parallel",
+        "DistributedDataParallel.__init__",
+        (("torch.cuda.Stream(device=torch.cuda.current_device())", "_hdet_cpu_stream()"),),
+    ),
+    # Pipeline schedules count tokens in a CUDA tensor.
+    SourceRewrite(
+        "megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining", _CUDA_DEVICE[1:]
+    ),
+    SourceRewrite(
+        "megatron.core.pipeline_parallel.schedules",
+        "forward_backward_pipelining_with_interleaving",
+        _CUDA_DEVICE[1:],
+    ),
+    SourceRewrite(
+        "megatron.core.pipeline_parallel.schedules",
+        "forward_backward_pipelining_without_interleaving",
+        _CUDA_DEVICE[1:],
+    ),
+    # Pipeline p2p buffers.
+    SourceRewrite(
+        "megatron.core.pipeline_parallel.p2p_communication",
+        "P2PCommunicator._communicate_shapes",
+        _CURRENT_DEVICE + _SYNC,
+    ),
+    SourceRewrite(
+        "megatron.core.pipeline_parallel.p2p_communication",
+        "P2PCommunicator._communicate",
+        _CURRENT_DEVICE + _SYNC,
+    ),
+    # Gradient clipping / norms.
+    SourceRewrite("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", _CUDA_DEVICE[:1]),
+    SourceRewrite(
+        "megatron.core.optimizer.clip_grads",
+        "clip_grad_by_total_norm_fp32",
+        _CUDA_DEVICE[:1] + _TYPE_CHECKS[:1],
+    ),
+    SourceRewrite("megatron.core.optimizer.clip_grads", "count_zeros_fp32", _CUDA_DEVICE[:1]),
+    # Optimizers.
+    SourceRewrite(
+        "megatron.core.optimizer.optimizer", "MegatronOptimizer.has_grad_norm_group", _CUDA_DEVICE[:1]
+    ),
+    SourceRewrite(
+        "megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.__init__", _CUDA_DEVICE[:1]
+    ),
+    SourceRewrite(
+        "megatron.core.optimizer.optimizer",
+        "Float16OptimizerWithFloat16Params.__init__",
+        _TYPE_CHECKS,
+    ),
+    SourceRewrite("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__", _CUDA_DEVICE[:1]),
+    SourceRewrite(
+        "megatron.core.optimizer.optimizer", "ChainedOptimizer.get_loss_scale", _CURRENT_DEVICE
+    ),
+    SourceRewrite(
+        "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer._build_model_and_main_param_groups",
+        _TYPE_CHECKS,
+    ),
+    SourceRewrite(
+        "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer.__init__",
+        _TYPE_CHECKS[1:],
+    ),
+    SourceRewrite(
+        "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer.load_state_dict",
+        _CURRENT_DEVICE,
+    ),
+)
+
+
+@dataclass
+class _ShimState:
+    applied: bool = False
+    rewritten: dict[str, Callable] = field(default_factory=dict)
+    """qualified name -> the original upstream function (kept so tests can compare)."""
+
+
+_STATE = _ShimState()
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def install_paged_stash_stub() -> None:
+    """Shim A: stand in for the triton-only kernel module before ``import megatron.core``."""
+    if _PAGED_STASH_OPS in sys.modules:
+        return
+    stub = types.ModuleType(_PAGED_STASH_OPS)
+    stub.__doc__ = "hdet_megatron CPU stub: triton kernels are unavailable without CUDA."
+    stub.GLOBAL_BLOCK_SIZE = 1024
+
+    def _no_triton(*_args, **_kwargs):
+        raise RuntimeError("MoE paged stash needs triton/CUDA; not available on this machine")
+
+    stub.paged_stash_copy_kernel = _no_triton
+    stub.paged_stash_pop_kernel = _no_triton
+    stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
+    sys.modules[_PAGED_STASH_OPS] = stub
+
+
+def _resolve(module: types.ModuleType, qualname: str):
+    owner = module
+    parts = qualname.split(".")
+    for part in parts[:-1]:
+        owner = getattr(owner, part)
+    return owner, parts[-1], owner.__dict__[parts[-1]] if isinstance(owner, type) else getattr(
+        owner, parts[-1]
+    )
+
+
+def rewritten_source(rewrite: SourceRewrite) -> tuple[str, Callable]:
+    """Upstream function and its source with the CUDA spellings replaced.
+
+    Raises :class:`ShimError` if a pattern is gone: the shim is then stale and must be revisited.
+    """
+    module = importlib.import_module(rewrite.module)
+    key = f"{rewrite.module}.{rewrite.qualname}"
+    # Once shims are applied the live attribute is ours; read the upstream function instead.
+    func = _STATE.rewritten.get(key) or _resolve(module, rewrite.qualname)[2]
+    original = inspect.unwrap(func)
+    source = textwrap.dedent(inspect.getsource(original))
+    for old, new in rewrite.replacements:
+        if old not in source:
+            raise ShimError(
+                f"{rewrite.module}.{rewrite.qualname} no longer contains {old!r}; "
+                f"megatron-core changed (expected {MEGATRON_CORE_VERSION}): revisit "
+                "hdet_megatron/megatron/cpu.py"
+            )
+        source = source.replace(old, new)
+    return source, original
+
+
+def _compile_rewrite(rewrite: SourceRewrite) -> tuple[Callable, Callable]:
+    source, original = rewritten_source(rewrite)
+    module = sys.modules[rewrite.module]
+    owner, name, _ = _resolve(module, rewrite.qualname)
+    # Compile inside a factory that defines ``__class__`` so zero-argument ``super()`` in
+    # methods keeps working; globals are the upstream module's own.
+    factory_src = "def _hdet_factory(__class__):\n" + textwrap.indent(source, "    ")
+    factory_src += f"\n    return {name}\n"
+    namespace: dict = {}
+    globals_ = module.__dict__
+    for key, value in _SHIM_GLOBALS.items():
+        globals_.setdefault(key, value)
+    code = compile(factory_src, f"<hdet cpu shim {rewrite.module}.{rewrite.qualname}>", "exec")
+    exec(code, globals_, namespace)
+    new_func = namespace["_hdet_factory"](owner if isinstance(owner, type) else None)
+    previous = getattr(owner, name)
+    setattr(owner, name, new_func)
+    if not isinstance(owner, type):
+        # ``from module import func`` elsewhere in megatron bound the old object: rebind those.
+        # Aliases count too (``multi_tensor_l2norm = local_multi_tensor_l2_norm``).
+        for mod_name, mod in list(sys.modules.items()):
+            if not mod_name.startswith("megatron.") or mod is None:
+                continue
+            for attr, value in list(vars(mod).items()):
+                if value is previous:
+                    setattr(mod, attr, new_func)
+    return original, new_func
+
+
+def _install_rng_shims() -> None:
+    """Shim B: the model-parallel RNG tracker keeps CPU generator states."""
+    from megatron.core.tensor_parallel import random as mp_random
+
+    def _get_cpu_rng_state(device="cuda", clone: bool = False, graph_safe: bool = False):
+        return torch.get_rng_state()
+
+    def _set_cpu_rng_state(new_state, device: int = -1, graph_safe: bool = False):
+        torch.set_rng_state(new_state)
+
+    def add(self, name, seed):
+        # Mirrors CudaRNGStatesTracker.add (megatron/core/tensor_parallel/random.py) on the CPU
+        # generator: record a state seeded with ``seed`` without disturbing the current one.
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception("seed {} already exists".format(seed))
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception("cuda rng state {} already exists".format(name))
+        orig_rng_state = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig_rng_state)
+
+    _STATE.rewritten["tensor_parallel.random._get_cuda_rng_state"] = mp_random._get_cuda_rng_state
+    _STATE.rewritten["tensor_parallel.random._set_cuda_rng_state"] = mp_random._set_cuda_rng_state
+    _STATE.rewritten["tensor_parallel.random.CudaRNGStatesTracker.add"] = (
+        mp_random.CudaRNGStatesTracker.add
+    )
+    mp_random._get_cuda_rng_state = _get_cpu_rng_state
+    mp_random._set_cuda_rng_state = _set_cpu_rng_state
+    mp_random.CudaRNGStatesTracker.add = add
+    # torch.manual_seed also seeds CUDA lazily; model_parallel_cuda_manual_seed's
+    # torch.cuda.manual_seed is a queued lazy call without CUDA and needs nothing.
+
+
+def _install_source_rewrites() -> None:
+    for rewrite in SOURCE_REWRITES:
+        original, _ = _compile_rewrite(rewrite)
+        _STATE.rewritten[f"{rewrite.module}.{rewrite.qualname}"] = original
+
+
+def apply_cpu_shims(force: bool = False) -> bool:
+    """Make megatron-core 0.19.2 usable without CUDA. Idempotent.
+
+    Returns True when shims are (now) active, False when CUDA is present and nothing was done.
+    ``force=True`` applies them even with CUDA (used by tests of the shims themselves).
+    """
+    if _STATE.applied:
+        return True
+    if cuda_available() and not force:
+        return False
+    install_paged_stash_stub()
+    import megatron.core  # noqa: F401  (after the stub)
+    from megatron.core import package_info
+
+    if package_info.__version__ != MEGATRON_CORE_VERSION:
+        raise ShimError(
+            f"hdet_megatron's CPU shims target megatron-core=={MEGATRON_CORE_VERSION}, "
+            f"found {package_info.__version__}; install the pinned version"
+        )
+    _install_rng_shims()
+    _install_source_rewrites()
+    _STATE.applied = True
+    return True
+
+
+def shims_applied() -> bool:
+    return _STATE.applied
+
+
+def original_function(qualified_name: str) -> Callable:
+    """The upstream function a shim replaced (for tests)."""
+    return _STATE.rewritten[qualified_name]

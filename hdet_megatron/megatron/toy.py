@@ -1,0 +1,229 @@
+"""A tiny, real Megatron-Core GPT training setup (used by the tests, benchmarks and the demo).
+
+Nothing here is mocked: ``parallel_state``, ``GPTModel`` with the local layer spec, Megatron
+``DistributedDataParallel``, ``get_megatron_optimizer`` and the pipeline schedules from
+``get_forward_backward_func``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Iterator, Optional
+
+import torch
+
+from hdet_megatron.megatron.cpu import apply_cpu_shims
+
+apply_cpu_shims()
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.distributed import (  # noqa: E402
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+
+
+@dataclass
+class ToyGPTSetup:
+    """Sizes and switches of a tiny GPT training run."""
+
+    tp: int = 1
+    """Tensor-model-parallel size."""
+    pp: int = 1
+    """Pipeline-model-parallel size."""
+    num_layers: int = 2
+    """Transformer layers (must be divisible by ``pp``)."""
+    hidden_size: int = 64
+    """Hidden size."""
+    num_attention_heads: int = 4
+    """Attention heads (divisible by ``tp``)."""
+    vocab_size: int = 128
+    """Vocabulary size (divisible by ``tp``)."""
+    seq_length: int = 32
+    """Tokens per sample."""
+    micro_batch_size: int = 2
+    """Samples per microbatch."""
+    num_microbatches: int = 2
+    """Microbatches per iteration (gradient accumulation)."""
+    lr: float = 1e-3
+    """Learning rate of the optimizer (and the scheduler's max_lr)."""
+    seed: int = 1234
+    """Model-parallel seed (weights are identical across DP ranks)."""
+    bf16: bool = False
+    """bf16 params with fp32 main params (Megatron's Float16Module + mixed precision optimizer)."""
+    use_distributed_optimizer: bool = False
+    """Megatron's distributed optimizer (ZeRO-1)."""
+    num_distributed_optimizer_instances: int = 1
+    """Partial distributed optimizer: number of full optimizer copies across DP."""
+    overlap_grad_reduce: bool = False
+    """Overlap DP gradient reduction with backward."""
+    hidden_dropout: float = 0.0
+    """Hidden dropout probability."""
+    attention_dropout: float = 0.0
+    """Attention dropout probability."""
+    extra_parallel_kwargs: dict = field(default_factory=dict)
+    """Extra keyword arguments for ``initialize_model_parallel``."""
+
+
+def init_parallel(setup: ToyGPTSetup) -> None:
+    """Initialize Megatron's model-parallel groups on the already-initialized default group."""
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=setup.tp,
+        pipeline_model_parallel_size=setup.pp,
+        num_distributed_optimizer_instances=setup.num_distributed_optimizer_instances,
+        **setup.extra_parallel_kwargs,
+    )
+    model_parallel_cuda_manual_seed(setup.seed)
+
+
+def destroy_parallel() -> None:
+    parallel_state.destroy_model_parallel()
+
+
+def transformer_config(setup: ToyGPTSetup) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=setup.num_layers,
+        hidden_size=setup.hidden_size,
+        num_attention_heads=setup.num_attention_heads,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=setup.tp,
+        pipeline_model_parallel_size=setup.pp,
+        pipeline_dtype=torch.bfloat16 if setup.bf16 else torch.float32,
+        bf16=setup.bf16,
+        params_dtype=torch.bfloat16 if setup.bf16 else torch.float32,
+        hidden_dropout=setup.hidden_dropout,
+        attention_dropout=setup.attention_dropout,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def build_model(setup: ToyGPTSetup, ddp_group_kwargs: Optional[dict] = None) -> list:
+    """GPTModel chunk(s) on this rank, wrapped in Megatron DDP. Returns the list of chunks."""
+    config = transformer_config(setup)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=setup.vocab_size,
+        max_sequence_length=setup.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    if setup.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=setup.overlap_grad_reduce,
+        use_distributed_optimizer=setup.use_distributed_optimizer,
+        num_distributed_optimizer_instances=setup.num_distributed_optimizer_instances,
+    )
+    ddp = DistributedDataParallel(config, ddp_config, model, **(ddp_group_kwargs or {}))
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return [ddp]
+
+
+def build_optimizer(setup: ToyGPTSetup, model: list, **overrides: Any):
+    kwargs = dict(
+        optimizer="adam",
+        lr=setup.lr,
+        min_lr=setup.lr / 10,
+        weight_decay=0.01,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        clip_grad=1.0,
+        bf16=setup.bf16,
+        params_dtype=torch.bfloat16 if setup.bf16 else torch.float32,
+        use_distributed_optimizer=setup.use_distributed_optimizer,
+    )
+    kwargs.update(overrides)
+    return get_megatron_optimizer(OptimizerConfig(**kwargs), model)
+
+
+def synthetic_batches(setup: ToyGPTSetup, seed: int, period: int = 7) -> Iterator[dict]:
+    """Endless learnable batches: token sequences that repeat with a short period.
+
+    ``seed`` picks the stream; ranks of one DP replica must pass the same seed (they consume
+    the same data), different DP replicas different seeds.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randint(0, setup.vocab_size, (setup.micro_batch_size, 1), generator=gen)
+        steps = torch.arange(setup.seq_length + 1).unsqueeze(0) % period
+        tokens = (starts + steps * 3) % setup.vocab_size
+        yield {
+            "tokens": tokens[:, :-1].contiguous(),
+            "labels": tokens[:, 1:].contiguous(),
+            "position_ids": torch.arange(setup.seq_length).unsqueeze(0).expand(
+                setup.micro_batch_size, -1
+            ),
+            "loss_mask": torch.ones(setup.micro_batch_size, setup.seq_length),
+        }
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    losses = output_tensor.float()
+    loss = torch.sum(losses.view(-1) * loss_mask.view(-1)) / loss_mask.sum()
+    # clone: the schedule divides the returned loss in place by the number of microbatches.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator, model):
+    """Megatron-style forward step: ``(output_tensor, loss_func)``."""
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"]
+    )
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def train_step(setup: ToyGPTSetup, model: list, optimizer, data_iterator) -> tuple[list, bool]:
+    """One iteration: zero grads, forward/backward over microbatches, optimizer step.
+
+    Returns the per-microbatch loss dicts (empty on non-last pipeline stages) and whether the
+    optimizer step succeeded.
+    """
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=setup.num_microbatches,
+        seq_length=setup.seq_length,
+        micro_batch_size=setup.micro_batch_size,
+        forward_only=False,
+    )
+    update_successful, _grad_norm, _zeros = optimizer.step()
+    return losses, update_successful
+
+
+def data_iterator_for_rank(setup: ToyGPTSetup, base_seed: int = 0):
+    """Batches for this rank: one stream per DP replica, shared by its TP/PP ranks."""
+    dp_rank = parallel_state.get_data_parallel_rank()
+    return synthetic_batches(setup, seed=base_seed * 1000 + dp_rank)
+
+
+@contextlib.contextmanager
+def parallel(setup: ToyGPTSetup):
+    init_parallel(setup)
+    try:
+        yield
+    finally:
+        destroy_parallel()
