@@ -342,7 +342,8 @@ def apply_cpu_shims(force: bool = False) -> bool:
     import megatron.core  # noqa: F401  (after the stub)
     from megatron.core import package_info
 
-    if package_info.__version__ != MEGATRON_CORE_VERSION:
+    # package_info appends a local "+<git sha>" when run inside a git checkout; compare releases.
+    if package_info.__version__.split("+")[0] != MEGATRON_CORE_VERSION:
         raise ShimError(
             f"hdet_megatron's CPU shims target megatron-core=={MEGATRON_CORE_VERSION}, "
             f"found {package_info.__version__}; install the pinned version"

@@ -1,6 +1,11 @@
 """Import megatron.core with the CPU shims applied (for process pools that fork workers)."""
 
-from hdet_megatron.megatron.cpu import apply_cpu_shims
+import warnings
+
+# Worker pools: megatron warns loudly about missing Apex/TE and deprecations at import.
+warnings.simplefilter("ignore")
+
+from hdet_megatron.megatron.cpu import apply_cpu_shims  # noqa: E402
 
 apply_cpu_shims()
 

@@ -83,6 +83,9 @@ def init_parallel(setup: ToyGPTSetup) -> None:
         num_distributed_optimizer_instances=setup.num_distributed_optimizer_instances,
         **setup.extra_parallel_kwargs,
     )
+    # Same CPU seed on every rank: weights are initialized on the CPU generator, identically on
+    # every DP replica, and a rebuilt model in the same process is the same model.
+    torch.manual_seed(setup.seed)
     model_parallel_cuda_manual_seed(setup.seed)
 
 
@@ -227,3 +230,19 @@ def parallel(setup: ToyGPTSetup):
         yield
     finally:
         destroy_parallel()
+
+
+def scheduler_kwargs(setup: ToyGPTSetup, train_iters: int, warmup: int = 2) -> dict:
+    """Arguments of Megatron's ``OptimizerParamScheduler`` for a short cosine schedule."""
+    return dict(
+        init_lr=0.0,
+        max_lr=setup.lr,
+        min_lr=setup.lr / 10,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(train_iters, warmup + 1),
+        lr_decay_style="cosine",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=max(train_iters, 1),
+        wd_incr_style="constant",
+    )

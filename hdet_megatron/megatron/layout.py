@@ -1,0 +1,144 @@
+"""Where this rank sits among HDET's arms, and the process groups that follow from it.
+
+Arms live on the data-parallel dimension only: with DP replicas and A arms, replica ``d`` belongs
+to arm ``d // (DP/A)``, and every TP/PP rank of a replica shares its replica's DP rank, so all
+shards of one model copy always train with the same hyperparameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+from hdet_megatron.megatron import cpu as _cpu  # noqa: F401  (shims before megatron.core)
+from megatron.core import parallel_state
+
+
+class HDETSetupError(ValueError):
+    """An HDET setup that cannot work (process-group layout, optimizer, arguments)."""
+
+
+@dataclass(frozen=True)
+class ArmLayout:
+    """This rank's arm and the groups HDET communicates over."""
+
+    num_arms: int
+    """A: number of arms (each arm trains under its own hyperparameter values)."""
+    arm: int
+    """This rank's arm id in ``[0, A)``."""
+    dp_size: int
+    """Data-parallel size (model replicas)."""
+    dp_rank: int
+    """This rank's data-parallel rank."""
+    replicas_per_arm: int
+    """DP/A: replicas inside one arm (they still all-reduce gradients with each other)."""
+    arm_ranks: tuple[int, ...]
+    """Global ranks of this arm's replicas at this rank's TP/PP position."""
+    cross_arm_ranks: tuple[int, ...]
+    """Global ranks holding the same shard in every arm (converge averages over these)."""
+    arm_group: Optional[dist.ProcessGroup]
+    """Group of :attr:`arm_ranks`."""
+    cross_arm_group: Optional[dist.ProcessGroup]
+    """Group of :attr:`cross_arm_ranks`."""
+    loss_group: Optional[dist.ProcessGroup]
+    """Group for the per-window loss reduction: the whole world, so every TP/PP rank computes
+    the identical controller update."""
+    is_loss_reporter: bool
+    """This rank contributes its replica's loss: last pipeline stage, TP rank 0."""
+    is_last_stage: bool
+    """Last pipeline stage (``forward_backward_func`` returns losses here only)."""
+
+    @classmethod
+    def from_parallel_state(cls, arms: Optional[int] = None, pg_collection=None) -> "ArmLayout":
+        """Build from Megatron's ``parallel_state`` (or an injected ``ProcessGroupCollection``).
+
+        Collective: every rank of the world must call it, in the same order.
+        """
+        if not dist.is_initialized():
+            raise HDETSetupError("torch.distributed is not initialized; call init_process_group first")
+        if pg_collection is not None:
+            dp_group, tp_group, pp_group = pg_collection.dp, pg_collection.tp, pg_collection.pp
+            cp_size = pg_collection.cp.size() if getattr(pg_collection, "cp", None) else 1
+        else:
+            if not parallel_state.model_parallel_is_initialized():
+                raise HDETSetupError(
+                    "Megatron's parallel_state is not initialized; call "
+                    "parallel_state.initialize_model_parallel(...) before building HDET"
+                )
+            # DP group without context parallelism: arms are over model replicas.
+            dp_group = parallel_state.get_data_parallel_group(with_context_parallel=False)
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+            pp_group = parallel_state.get_pipeline_model_parallel_group()
+            cp_size = parallel_state.get_context_parallel_world_size()
+        if cp_size != 1:
+            raise HDETSetupError(
+                f"context parallel size {cp_size} is not supported by HDET yet; use CP=1"
+            )
+        dp_ranks = tuple(dist.get_process_group_ranks(dp_group))
+        dp_size = len(dp_ranks)
+        dp_rank = dp_ranks.index(dist.get_rank())
+        num_arms = dp_size if arms is None else arms
+        if num_arms < 1 or dp_size % num_arms:
+            raise HDETSetupError(
+                f"HDET arms={num_arms} must divide the data-parallel size {dp_size}; "
+                f"use one of {[a for a in range(1, dp_size + 1) if dp_size % a == 0]}"
+            )
+        per_arm = dp_size // num_arms
+        arm = dp_rank // per_arm
+
+        # Every rank must create every group in the same order: learn all DP groups first.
+        all_dp_groups: list = [None] * dist.get_world_size()
+        dist.all_gather_object(all_dp_groups, dp_ranks)
+        arm_group = cross_group = None
+        arm_ranks = cross_ranks = ()
+        for group_ranks in sorted(set(all_dp_groups)):
+            for offset in range(per_arm):
+                ranks = group_ranks[offset::per_arm]
+                group = dist.new_group(list(ranks))
+                if dist.get_rank() in ranks:
+                    cross_group, cross_ranks = group, ranks
+            for a in range(num_arms):
+                ranks = group_ranks[a * per_arm : (a + 1) * per_arm]
+                group = dist.new_group(list(ranks))
+                if dist.get_rank() in ranks:
+                    arm_group, arm_ranks = group, ranks
+
+        is_last_stage = pp_group.rank() == pp_group.size() - 1
+        return cls(
+            num_arms=num_arms,
+            arm=arm,
+            dp_size=dp_size,
+            dp_rank=dp_rank,
+            replicas_per_arm=per_arm,
+            arm_ranks=tuple(arm_ranks),
+            cross_arm_ranks=tuple(cross_ranks),
+            arm_group=arm_group,
+            cross_arm_group=cross_group,
+            loss_group=dist.group.WORLD,
+            is_loss_reporter=is_last_stage and tp_group.rank() == 0,
+            is_last_stage=is_last_stage,
+        )
+
+    def check_distributed_optimizer(self, num_instances: int) -> None:
+        """With Megatron's distributed optimizer every arm must own a full optimizer copy."""
+        if num_instances != self.num_arms:
+            raise HDETSetupError(
+                "HDET with use_distributed_optimizer needs one optimizer instance per arm: set "
+                f"num_distributed_optimizer_instances={self.num_arms} (arms) in both "
+                "initialize_model_parallel and DistributedDataParallelConfig, found "
+                f"{num_instances}"
+            )
+        instance_ranks = tuple(
+            dist.get_process_group_ranks(
+                parallel_state.get_data_parallel_group(
+                    with_context_parallel=True, partial_data_parallel=True
+                )
+            )
+        )
+        if instance_ranks != self.arm_ranks:
+            raise HDETSetupError(
+                f"distributed-optimizer instance ranks {instance_ranks} differ from HDET arm "
+                f"ranks {self.arm_ranks}; arms must be contiguous DP blocks"
+            )

@@ -1,0 +1,296 @@
+"""``HDET``: the run-time object that drives fan-out, converge and the controller on Megatron.
+
+Call order per iteration (as in Megatron-LM's ``train_step``)::
+
+    losses = forward_backward_func(...)          # per-microbatch loss-function outputs
+    update_successful, *_ = optimizer.step()
+    scheduler.step(increment)                    # HDETOptimizerParamScheduler
+    hdet.step(losses)                            # accumulates; converges every `period` steps
+
+Per step HDET adds device-side tensor adds only (no host sync). Every ``period`` steps it does
+one tiny all-reduce of the arms' window losses over the world (so every TP/PP rank computes the
+same controller update), averages the optimizer's main params across the cross-arm group with a
+:class:`BucketedAverager`, refreshes the model params from them, runs the controller and moves
+the scheduler to the next window's permutation.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hdet_megatron.averaging import BucketedAverager
+from hdet_megatron.config import HDETConfig
+from hdet_megatron.controller import ControllerUpdate
+from hdet_megatron.megatron import cpu as _cpu  # noqa: F401
+from hdet_megatron.megatron.grad_sync import ArmGradSync
+from hdet_megatron.megatron.layout import ArmLayout, HDETSetupError
+from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+
+logger = logging.getLogger(__name__)
+
+#: Keys tried, in order, to find the loss in a loss function's reporting dict.
+DEFAULT_LOSS_KEYS = ("lm loss", "loss")
+
+
+@dataclass
+class WindowMetrics:
+    """What happened at one converge (for logging)."""
+
+    window: int
+    """Index of the window that just ended."""
+    iteration: int
+    """HDET iterations done when it ended."""
+    steps: int
+    """Iterations in the window (``period``, or fewer for a forced converge)."""
+    arm_losses: list[float]
+    """Mean training loss of each arm over the window (before any DP reduction)."""
+    arm_values: dict[str, list[float]]
+    """Per axis: the spread value (multiplier/offset) each arm used in the window."""
+    excluded: list[int]
+    """Arms excluded from the converge (non-finite loss)."""
+    update: Optional[dict]
+    """The controller update (``ControllerUpdate.to_dict()``)."""
+    scales: dict[str, float]
+    """Controller scales after the update."""
+    converge_seconds: float
+    """Host wall time of the parameter average + model refresh."""
+    converge_bytes: int
+    """Bytes this rank all-reduced for the average."""
+    forced: bool = False
+    """Converge requested by :meth:`HDET.converge` (e.g. before a checkpoint save)."""
+
+
+def _sub_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def main_params(optimizer) -> list[torch.Tensor]:
+    """The tensors the optimizer updates: fp32 masters (or DistOpt shards), else the params.
+
+    Read from the inner torch optimizer's param groups of every (chained) Megatron optimizer:
+    ``Float16OptimizerWithFloat16Params`` puts ``fp32_from_float16_groups`` there,
+    ``DistributedOptimizer`` its ``shard_fp32_*`` groups, ``FP32Optimizer`` the params.
+    """
+    tensors: list[torch.Tensor] = []
+    for sub in _sub_optimizers(optimizer):
+        if getattr(sub, "is_stub_optimizer", False):
+            continue
+        for group in sub.optimizer.param_groups:
+            tensors.extend(group["params"])
+    return tensors
+
+
+class HDET:
+    """Hyperparameter-Divergent Ensemble Training on Megatron-Core.
+
+    Args:
+        config: the HDET settings (must be the scheduler's config).
+        model: list of (Megatron-DDP-wrapped) model chunks on this rank.
+        optimizer: the Megatron optimizer (``get_megatron_optimizer``).
+        scheduler: an :class:`HDETOptimizerParamScheduler` over ``optimizer``.
+        pg_collection: optional ``ProcessGroupCollection`` (else ``parallel_state``).
+        loss_keys: keys looked up in each microbatch's loss dict.
+    """
+
+    def __init__(
+        self,
+        config: HDETConfig,
+        model: Sequence[torch.nn.Module],
+        optimizer,
+        scheduler: HDETOptimizerParamScheduler,
+        pg_collection=None,
+        loss_keys: Sequence[str] = DEFAULT_LOSS_KEYS,
+    ) -> None:
+        if not isinstance(scheduler, HDETOptimizerParamScheduler):
+            raise HDETSetupError(
+                "HDET needs an HDETOptimizerParamScheduler (a drop-in for Megatron's "
+                f"OptimizerParamScheduler), got {type(scheduler).__name__}"
+            )
+        if scheduler.hdet_config != config:
+            raise HDETSetupError("HDET config differs from the scheduler's hdet config; pass the same one")
+        if scheduler.optimizer is not optimizer:
+            raise HDETSetupError("the scheduler was built for a different optimizer")
+        self.config = config
+        self.model = list(model) if isinstance(model, (list, tuple)) else [model]
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.layout: ArmLayout = scheduler.layout
+        self.loss_keys = tuple(loss_keys)
+        self._check_optimizer()
+        self._main_params = main_params(optimizer)
+        self._param_ids = [id(p) for p in self._main_params]
+        self.averager = BucketedAverager(
+            self._main_params, group=self.layout.cross_arm_group, bucket_mb=config.bucket_mb
+        )
+        self.grad_sync = ArmGradSync(self.model, self.layout, config.grad_sync, self._distopt)
+        self.grad_sync.install()
+
+        device = self._main_params[0].device if self._main_params else torch.device("cpu")
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self._loss_reduce = torch.zeros(2 * self.layout.num_arms, dtype=torch.float64, device=device)
+        self.iteration = 0
+        self.steps_in_window = 0
+        self.history: list[WindowMetrics] = []
+        self.last_update: Optional[ControllerUpdate] = None
+        scheduler.hdet_runtime = self
+
+    # -- setup checks ----------------------------------------------------------------------------
+    def _check_optimizer(self) -> None:
+        subs = _sub_optimizers(self.optimizer)
+        self._distopt = any(isinstance(s, DistributedOptimizer) for s in subs)
+        if self._distopt:
+            ddp_config = next(s.ddp_config for s in subs if isinstance(s, DistributedOptimizer))
+            self.layout.check_distributed_optimizer(ddp_config.num_distributed_optimizer_instances)
+        if not main_params(self.optimizer):
+            raise HDETSetupError("the optimizer has no parameters to converge")
+
+    def _check_param_groups_unchanged(self) -> None:
+        if [id(p) for p in main_params(self.optimizer)] != self._param_ids:
+            raise HDETSetupError(
+                "the optimizer's param groups changed after HDET was built (params added, "
+                "removed or replaced); build HDET after the optimizer is final"
+            )
+
+    # -- per step --------------------------------------------------------------------------------
+    def _step_loss(self, losses: Sequence[Any]) -> torch.Tensor:
+        values = []
+        for item in losses:
+            value = item
+            if isinstance(item, dict):
+                key = next((k for k in self.loss_keys if k in item), None)
+                if key is None:
+                    raise HDETSetupError(
+                        f"no loss key {self.loss_keys} in the loss function's dict "
+                        f"(keys: {sorted(item)}); pass loss_keys=... to HDET"
+                    )
+                value = item[key]
+            value = torch.as_tensor(value).detach()
+            if value.numel() == 2:  # Megatron-LM style [loss_sum, num_tokens]
+                value = value[0] / value[1].clamp(min=1)
+            values.append(value.reshape(()).to(torch.float64))
+        return torch.stack(values).mean()
+
+    def step(self, losses: Optional[Sequence[Any]]) -> Optional[WindowMetrics]:
+        """Account one iteration; converge at the end of a window. Collective every ``period``.
+
+        ``losses`` is what ``forward_backward_func`` returned on this rank (per-microbatch loss
+        dicts or tensors; empty on non-last pipeline stages).
+        """
+        if self.layout.is_last_stage:
+            if not losses:
+                raise HDETSetupError(
+                    "HDET.step() got no losses on the last pipeline stage; pass the list that "
+                    "forward_backward_func returned (per-microbatch loss outputs)"
+                )
+            self._loss_sum += self._step_loss(losses)
+        self.iteration += 1
+        self.steps_in_window += 1
+        if self.steps_in_window >= self.config.period:
+            return self._end_window(forced=False)
+        return None
+
+    def converge(self) -> Optional[WindowMetrics]:
+        """Converge now (e.g. before saving a checkpoint) and start a new window.
+
+        Collective. A no-op when the current window has no steps yet.
+        """
+        if self.steps_in_window == 0:
+            return None
+        return self._end_window(forced=True)
+
+    # -- the converge ---------------------------------------------------------------------------
+    def _reduce_arm_losses(self) -> list[float]:
+        buf = self._loss_reduce
+        buf.zero_()
+        if self.layout.is_loss_reporter:
+            buf[self.layout.arm] = self._loss_sum / self.steps_in_window
+            buf[self.layout.num_arms + self.layout.arm] = 1.0
+        dist.all_reduce(buf, group=self.layout.loss_group)
+        sums, counts = buf.tolist()[: self.layout.num_arms], buf.tolist()[self.layout.num_arms :]
+        return [s / c if c > 0 else math.nan for s, c in zip(sums, counts)]
+
+    def _end_window(self, forced: bool) -> WindowMetrics:
+        self._check_param_groups_unchanged()
+        arm_losses = self._reduce_arm_losses()  # the one host sync of the window
+        excluded = [a for a, loss in enumerate(arm_losses) if not math.isfinite(loss)]
+        arm_values = self.scheduler.arm_spread_values()
+        # Raises AllArmsNonFinite / NonFiniteArm (on every rank alike) before anything changes.
+        update = self.scheduler.controller.update(
+            arm_losses,
+            arm_values,
+            step=self.iteration,
+            base_values={"lr": self.scheduler.base_lr()},
+        )
+        start = time.perf_counter()
+        weight = 0.0 if self.layout.arm in excluded else 1.0
+        stats = self.averager.average(weights=weight)
+        self._refresh_model_params()
+        converge_seconds = time.perf_counter() - start
+        metrics = WindowMetrics(
+            window=self.scheduler.window,
+            iteration=self.iteration,
+            steps=self.steps_in_window,
+            arm_losses=arm_losses,
+            arm_values=arm_values,
+            excluded=excluded,
+            update=update.to_dict(),
+            scales=dict(self.scheduler.controller.scales()),
+            converge_seconds=converge_seconds,
+            converge_bytes=stats.bytes,
+            forced=forced,
+        )
+        self.last_update = update
+        self.history.append(metrics)
+        self._loss_sum.zero_()
+        self.steps_in_window = 0
+        self.scheduler.set_window(self.scheduler.window + 1)
+        return metrics
+
+    @torch.no_grad()
+    def _refresh_model_params(self) -> None:
+        """Copy averaged main params into the model params (all-gather inside the arm)."""
+        for sub in _sub_optimizers(self.optimizer):
+            if getattr(sub, "is_stub_optimizer", False):
+                continue
+            if isinstance(sub, MixedPrecisionOptimizer):
+                sub._copy_main_params_to_model_params()
+        if self._distopt:
+            # DistributedOptimizer.step_with_ready_grads gathers the updated shards the same way.
+            for chunk in self.model:
+                chunk.start_param_sync(force_sync=True)
+
+    # -- state -----------------------------------------------------------------------------------
+    def runtime_state_dict(self) -> dict:
+        return {
+            "iteration": self.iteration,
+            "steps_in_window": self.steps_in_window,
+            "loss_sum": float(self._loss_sum),
+        }
+
+    def load_runtime_state_dict(self, state: dict) -> None:
+        for key in ("iteration", "steps_in_window", "loss_sum"):
+            if key not in state:
+                raise ValueError(f"HDET runtime state is missing {key!r}")
+        self.iteration = int(state["iteration"])
+        self.steps_in_window = int(state["steps_in_window"])
+        self._loss_sum.fill_(float(state["loss_sum"]))
+
+    def state_dict(self) -> dict:
+        """Controller + window + runtime state (also inside ``scheduler.state_dict()["hdet"]``)."""
+        return self.scheduler.hdet_state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_hdet_state_dict(state)
+
+    def close(self) -> None:
+        """Restore Megatron's own gradient synchronisation."""
+        self.grad_sync.uninstall()

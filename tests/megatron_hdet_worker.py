@@ -1,0 +1,233 @@
+"""Rank-side code of the Megatron HDET tests: runs HDET training and records what each rank saw."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from hdet_megatron.config import Axis, HDETConfig
+from hdet_megatron.megatron import toy
+from hdet_megatron.megatron.runtime import HDET, main_params
+from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+from megatron.core import parallel_state as ps
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+
+@dataclass
+class Scenario:
+    tp: int = 1
+    pp: int = 1
+    arms: Optional[int] = None
+    grad_sync: str = "global"
+    dist_opt: bool = False
+    bf16: bool = False
+    spread: float = 0.2
+    auto: bool = True
+    period: int = 3
+    steps: int = 7
+    hdet: bool = True
+    temperature: float = 0.05
+    data_seed: int = 0
+    count_bytes: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.dtype == torch.bfloat16
+                 else t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def model_params(model) -> list[torch.Tensor]:
+    return [p for chunk in model for p in chunk.module.parameters()]
+
+
+class CrossArmByteCounter:
+    """Counts bytes of collectives whose group spans more than one arm."""
+
+    def __init__(self, arm_of_rank: dict[int, int]):
+        self.arm_of_rank = arm_of_rank
+        self.bytes = 0
+        self._saved = []
+
+    def _spans_arms(self, group) -> bool:
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+        return len({self.arm_of_rank[r] for r in ranks}) > 1
+
+    def _wrap(self, module, name):
+        original = getattr(module, name)
+
+        def wrapped(tensor, *args, group=None, **kwargs):
+            if isinstance(tensor, torch.Tensor) and self._spans_arms(group):
+                self.bytes += tensor.numel() * tensor.element_size()
+            return original(tensor, *args, group=group, **kwargs)
+
+        self._saved.append((module, name, original))
+        setattr(module, name, wrapped)
+
+    def __enter__(self):
+        from megatron.core.distributed import param_and_grad_buffer as pgb
+
+        self._wrap(dist, "all_reduce")
+        self._wrap(dist, "all_gather_into_tensor")
+        self._wrap(dist, "reduce_scatter_tensor")
+        if hasattr(pgb, "dist_reduce_scatter_func"):
+            self._wrap(pgb, "dist_reduce_scatter_func")
+        if hasattr(pgb, "dist_all_gather_func"):
+            self._wrap(pgb, "dist_all_gather_func")
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, original in reversed(self._saved):
+            setattr(module, name, original)
+
+
+def run(rank: int, world_size: int, sc: Scenario) -> dict:
+    """Train ``sc.steps`` iterations; return per-step LRs, digests and HDET metrics."""
+    instances = (sc.arms or (world_size // (sc.tp * sc.pp))) if sc.dist_opt else 1
+    setup = toy.ToyGPTSetup(
+        tp=sc.tp,
+        pp=sc.pp,
+        num_layers=2 * sc.pp,
+        bf16=sc.bf16,
+        use_distributed_optimizer=sc.dist_opt,
+        num_distributed_optimizer_instances=instances,
+    )
+    out: dict = {"lrs": [], "losses": [], "window_digests": [], "step_digests": [], "history": []}
+    with toy.parallel(setup):
+        model = toy.build_model(setup)
+        optimizer = toy.build_optimizer(setup, model)
+        data = toy.synthetic_batches(setup, seed=sc.data_seed * 1000 + ps.get_data_parallel_rank())
+        kwargs = toy.scheduler_kwargs(setup, sc.steps)
+        if sc.hdet:
+            config = HDETConfig(
+                period=sc.period,
+                arms=sc.arms,
+                grad_sync=sc.grad_sync,
+                axes=(Axis("lr", sc.spread),),
+                auto=sc.auto,
+                temperature=sc.temperature,
+                **sc.extra,
+            )
+            scheduler = HDETOptimizerParamScheduler(optimizer, hdet=config, **kwargs)
+            hdet = HDET(config, model, optimizer, scheduler)
+            layout = hdet.layout
+            out.update(arm=layout.arm, reporter=layout.is_loss_reporter, cross=layout.cross_arm_ranks)
+        else:
+            scheduler = OptimizerParamScheduler(optimizer, **kwargs)
+            hdet = None
+            out.update(arm=0, reporter=False, cross=())
+        out.update(
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            dp_rank=ps.get_data_parallel_rank(),
+            last_stage=ps.is_pipeline_last_stage(),
+        )
+        arm_of_rank = [None] * world_size
+        dist.all_gather_object(arm_of_rank, out["arm"])
+        counter = CrossArmByteCounter(dict(enumerate(arm_of_rank)))
+        window_bytes = []
+        for _step in range(sc.steps):
+            # The LR this rank applies in this step (set by the previous scheduler step / window).
+            out["lrs"].append(float(optimizer.param_groups[0]["lr"]))
+            if sc.count_bytes:
+                counter.__enter__()
+            try:
+                losses, ok = toy.train_step(setup, model, optimizer, data)
+                scheduler.step(1)
+                metrics = hdet.step(losses) if hdet is not None else None
+            finally:
+                if sc.count_bytes:
+                    counter.__exit__()
+            assert ok
+            if out["last_stage"]:
+                out["losses"].append(float(torch.stack([o["lm loss"] for o in losses]).mean()))
+            mains = main_params(optimizer)
+            entry = {
+                "main": digest(mains),
+                "model": digest(model_params(model)),
+            }
+            out["step_digests"].append(entry)
+            if metrics is not None:
+                out["history"].append(
+                    {
+                        "arm_losses": metrics.arm_losses,
+                        "scales": metrics.scales,
+                        "update": metrics.update,
+                        "arm_values": metrics.arm_values,
+                        "bytes": metrics.converge_bytes,
+                    }
+                )
+                window_bytes.append(counter.bytes)
+                counter.bytes = 0
+                if sc.bf16:
+                    # Model params must equal the (averaged) fp32 masters after a converge.
+                    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+                        if hasattr(sub, "fp32_from_float16_groups"):
+                            for mg, fg in zip(sub.float16_groups, sub.fp32_from_float16_groups):
+                                for m, f in zip(mg, fg):
+                                    assert torch.equal(m.detach(), f.detach().to(m.dtype))
+        out["window_bytes"] = window_bytes
+        out["final_model"] = digest(model_params(model))
+        if hdet is not None:
+            out["averaged_bytes"] = hdet.averager.nbytes
+            hdet.close()
+    return out
+
+
+def bad_setups(rank: int, world_size: int) -> dict[str, str]:
+    """Each bad setup's error message (4 ranks, TP2 x DP2)."""
+    from hdet_megatron.megatron.layout import HDETSetupError
+
+    messages: dict[str, str] = {}
+
+    def expect(name, fn):
+        try:
+            fn()
+        except (HDETSetupError, ValueError) as exc:
+            messages[name] = str(exc)
+        else:
+            messages[name] = "<no error>"
+
+    setup = toy.ToyGPTSetup(tp=2)
+    with toy.parallel(setup):
+        model = toy.build_model(setup)
+        optimizer = toy.build_optimizer(setup, model)
+        kwargs = toy.scheduler_kwargs(setup, 10)
+        expect(
+            "arms_not_dividing_dp",
+            lambda: HDETOptimizerParamScheduler(optimizer, hdet=HDETConfig(arms=3), **kwargs),
+        )
+        config = HDETConfig(period=2)
+        scheduler = HDETOptimizerParamScheduler(optimizer, hdet=config, **kwargs)
+        expect(
+            "plain_scheduler",
+            lambda: HDET(config, model, optimizer, OptimizerParamScheduler(optimizer, **kwargs)),
+        )
+        hdet = HDET(config, model, optimizer, scheduler)
+        expect("no_losses_on_last_stage", lambda: hdet.step([]))
+        # Param groups changed after HDET was built: detected at the next converge.
+        optimizer.param_groups[0]["params"].append(torch.nn.Parameter(torch.zeros(3)))
+        data = toy.data_iterator_for_rank(setup)
+
+        def two_steps():
+            for _ in range(2):
+                losses, _ = toy.train_step(setup, model, optimizer, data)
+                hdet.step(losses)
+
+        expect("param_groups_changed", two_steps)
+    # Distributed optimizer with one instance but two arms.
+    setup = toy.ToyGPTSetup(tp=2, use_distributed_optimizer=True)
+    with toy.parallel(setup):
+        model = toy.build_model(setup)
+        optimizer = toy.build_optimizer(setup, model)
+        config = HDETConfig(period=2)
+        scheduler = HDETOptimizerParamScheduler(optimizer, hdet=config, **toy.scheduler_kwargs(setup, 10))
+        expect("distopt_instances", lambda: HDET(config, model, optimizer, scheduler))
+    return messages

@@ -1,0 +1,144 @@
+"""HDET on real Megatron-Core worlds: arms over DP, per-arm LR, converge, TP/PP in sync."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.harness import run_world
+from tests.megatron_hdet_worker import Scenario, bad_setups, run
+
+pytestmark = pytest.mark.slow
+
+
+def run_many(rank, world_size, scenarios):
+    return [run(rank, world_size, sc) for sc in scenarios]
+
+
+def _worlds(world_size, scenarios, timeout=400):
+    per_rank = run_world(world_size, run_many, scenarios, timeout=timeout)
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(scenarios))]
+
+
+def check_hdet_run(sc: Scenario, results: list[dict]) -> None:
+    num_arms = len({r["arm"] for r in results})
+    steps, period = sc.steps, sc.period
+    # 1. Every rank of one arm (all TP/PP ranks, all replicas of the arm) applies the same LR.
+    for step in range(steps):
+        by_arm: dict = {}
+        for r in results:
+            by_arm.setdefault(r["arm"], set()).add(r["lrs"][step])
+        assert all(len(v) == 1 for v in by_arm.values()), (step, by_arm)
+        values = {next(iter(v)) for v in by_arm.values()}
+        if sc.spread > 0 and next(iter(values)) > 0:
+            assert len(values) == num_arms, f"arms share an LR at step {step}: {by_arm}"
+    # 2. Converge points: cross-arm ranks hold bit-identical main and model params.
+    converged_steps = [s for s in range(steps) if (s + 1) % period == 0]
+    diverged_somewhere = False
+    for r_idx, r in enumerate(results):
+        for other in r["cross"]:
+            for s in converged_steps:
+                assert results[other]["step_digests"][s] == r["step_digests"][s], (r_idx, other, s)
+            inside = [s for s in range(1, steps) if s not in converged_steps]
+            if other != r_idx and any(
+                results[other]["step_digests"][s]["main"] != r["step_digests"][s]["main"] for s in inside
+            ):
+                diverged_somewhere = True
+    if sc.spread > 0 and num_arms > 1:
+        assert diverged_somewhere, "arms never diverged inside a window"
+    # 3. The controller update is the same on every rank of the world...
+    assert len(results[0]["history"]) == len(converged_steps)
+    def controller_view(r):  # converge bytes differ per shard; the controller must not
+        return [{k: v for k, v in h.items() if k != "bytes"} for h in r["history"]]
+
+    for r in results[1:]:
+        assert controller_view(r) == controller_view(results[0])
+    # ...and used the losses each arm computed locally (mean over the arm's replicas).
+    for w, s_end in enumerate(converged_steps):
+        window = range(s_end - period + 1, s_end + 1)
+        for arm in range(num_arms):
+            local = [
+                sum(r["losses"][s] for s in window) / period
+                for r in results
+                if r["reporter"] and r["arm"] == arm
+            ]
+            expected = sum(local) / len(local)
+            got = results[0]["history"][w]["arm_losses"][arm]
+            assert math.isclose(got, expected, rel_tol=1e-6), (w, arm, got, expected)
+
+
+def test_tp2_pp2_dp2_both_modes():
+    scenarios = [
+        Scenario(tp=2, pp=2, grad_sync="global", count_bytes=True),
+        Scenario(tp=2, pp=2, grad_sync="arm", count_bytes=True),
+    ]
+    worlds = _worlds(8, scenarios)
+    for sc, results in zip(scenarios, worlds):
+        check_hdet_run(sc, results)
+    # The counter sees gradient traffic between arms in "global" mode (the paper's setting)...
+    for r in worlds[0]:
+        assert all(b > 2 * r["averaged_bytes"] for b in r["window_bytes"])
+    # grad_sync="arm": the only traffic between arms is one parameter all-reduce per window
+    # (plus the 2A-float64 loss reduction every rank takes part in).
+    arm_results = results
+    for r in arm_results:
+        loss_bytes = 2 * 2 * 8
+        assert r["window_bytes"] == [r["averaged_bytes"] + loss_bytes] * len(r["history"])
+
+
+def test_tp2_dp4_arms_4_and_2():
+    scenarios = [
+        Scenario(tp=2, arms=4, grad_sync="global"),
+        Scenario(tp=2, arms=2, grad_sync="global"),
+        Scenario(tp=2, arms=2, grad_sync="arm", count_bytes=True),
+    ]
+    worlds = _worlds(8, scenarios)
+    for sc, results in zip(scenarios, worlds):
+        check_hdet_run(sc, results)
+    # Hierarchical arms (2 replicas per arm): the replicas of one arm stay identical always.
+    for results in worlds[1:]:
+        for s in range(scenarios[1].steps):
+            for r in results:
+                twins = [o for o in results if o["arm"] == r["arm"] and o["tp_rank"] == r["tp_rank"]]
+                assert len({t["step_digests"][s]["main"] for t in twins}) == 1
+    for r in worlds[2]:
+        assert r["window_bytes"] == [r["averaged_bytes"] + 2 * 2 * 8] * len(r["history"])
+
+
+def test_pp2_dp4_distributed_optimizer_instances():
+    scenarios = [
+        Scenario(pp=2, arms=2, dist_opt=True, grad_sync="global"),
+        Scenario(pp=2, arms=4, dist_opt=True, grad_sync="arm", count_bytes=True),
+    ]
+    worlds = _worlds(8, scenarios)
+    for sc, results in zip(scenarios, worlds):
+        check_hdet_run(sc, results)
+    for r in worlds[1]:
+        assert r["window_bytes"] == [r["averaged_bytes"] + 2 * 4 * 8] * len(r["history"])
+
+
+def test_neutral_hdet_is_bit_identical_and_bf16_masters():
+    scenarios = [
+        Scenario(tp=2, spread=0.0, auto=False, hdet=True, period=2, steps=6),
+        Scenario(tp=2, hdet=False, steps=6),
+        Scenario(tp=2, bf16=True, steps=6),
+    ]
+    neutral, plain, bf16 = _worlds(4, scenarios)
+    for a, b in zip(neutral, plain):
+        assert a["losses"] == b["losses"]
+        assert a["final_model"] == b["final_model"]
+        assert [d["model"] for d in a["step_digests"]] == [d["model"] for d in b["step_digests"]]
+    check_hdet_run(scenarios[2], bf16)
+
+
+def test_bad_setups_get_clear_errors():
+    messages = run_world(4, bad_setups, timeout=200)
+    for m in messages:
+        assert "must divide the data-parallel size 2" in m["arms_not_dividing_dp"]
+        assert "needs an HDETOptimizerParamScheduler" in m["plain_scheduler"]
+        assert "num_distributed_optimizer_instances=2" in m["distopt_instances"]
+        assert "param groups changed" in m["param_groups_changed"]
+    last_stage = [m for m in messages]  # PP=1: every rank is on the last stage
+    for m in last_stage:
+        assert "got no losses on the last pipeline stage" in m["no_losses_on_last_stage"]
