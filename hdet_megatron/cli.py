@@ -1,0 +1,175 @@
+"""The ``hdet`` command line (``pyproject.toml``: ``hdet = "hdet_megatron.cli:main"``).
+
+Subcommands:
+
+* ``hdet simulate``: run the controller on the noisy-quadratic simulator
+  (:mod:`hdet_megatron.sim`) and print how the LR scale moves toward the known optimum.
+* ``hdet report RUN_DIR``: placeholder (plots and tables of a training run), to be filled in.
+
+Each subcommand is a pair ``_add_<name>(subparsers)`` / ``_run_<name>(args) -> int`` registered
+in :data:`SUBCOMMANDS`; to add one, write the pair and append it there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Optional, Sequence
+
+from hdet_megatron.config import Axis, HDETConfig, HDETConfigError
+
+__all__ = ["main", "build_parser"]
+
+
+# --- hdet simulate ----------------------------------------------------------------------------
+
+
+def _temperature(text: str):
+    if text == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sigma must be a number or 'auto', got {text!r}") from None
+
+
+def _add_simulate(subparsers) -> None:
+    p = subparsers.add_parser(
+        "simulate",
+        help="run the auto controller on a noisy quadratic model with a known optimum LR",
+        description=(
+            "Simulate HDET on a tracking noisy quadratic model (hdet_megatron.sim) whose optimum "
+            "LR is known analytically, and print the learned LR scale per window. The base LR is "
+            "--base-lr-factor times that optimum (or --base-lr)."
+        ),
+    )
+    p.add_argument("--arms", type=int, default=8, help="number of arms (default 8)")
+    p.add_argument("--replicas-per-arm", type=int, default=1, help="replicas per arm (default 1)")
+    p.add_argument("--period", type=int, default=100, help="converge period T in steps (default 100)")
+    p.add_argument("--spread", type=float, default=1.0 / 9.0, help="LR spread alpha (default 1/9)")
+    p.add_argument("--kind", choices=("linear", "log"), default="linear", help="spread kind")
+    p.add_argument(
+        "--sigma", type=_temperature, default="auto",
+        help="softmax temperature, a number or 'auto' (default auto: the arm losses' std)",
+    )
+    p.add_argument("--meta-lr", type=float, default=0.5, help="controller meta LR lambda (default 0.5)")
+    p.add_argument("--momentum", type=float, default=0.9, help="controller momentum beta (default 0.9)")
+    p.add_argument("--rule", choices=("relative", "paper"), default="relative", help="update rule")
+    p.add_argument("--grad-sync", choices=("global", "arm"), default="global", help="gradient sync mode")
+    lr = p.add_mutually_exclusive_group()
+    lr.add_argument(
+        "--base-lr-factor", type=float, default=4.0,
+        help="base LR as a multiple of the problem's optimum LR (default 4: too high)",
+    )
+    lr.add_argument("--base-lr", type=float, default=None, help="absolute base LR")
+    p.add_argument("--steps", type=int, default=20000, help="training steps (default 20000)")
+    p.add_argument("--dim", type=int, default=16, help="problem dimension (default 16)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--every", type=int, default=10, help="print every k-th window (default 10)")
+    p.add_argument("--rollback", action="store_true", help="roll back instead of stopping when all arms diverge")
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from hdet_megatron.controller import AllArmsNonFinite
+    from hdet_megatron.sim import NQMProblem, best_lr, simulate, steady_state_loss
+
+    try:
+        config = HDETConfig(
+            period=args.period,
+            axes=(Axis("lr", args.spread, kind=args.kind),),
+            temperature=args.sigma,
+            meta_lr=args.meta_lr,
+            momentum=args.momentum,
+            rule=args.rule,
+            grad_sync=args.grad_sync,
+            seed=args.seed,
+            rollback=args.rollback,
+        )
+        problem = NQMProblem(dim=args.dim)
+    except (HDETConfigError, ValueError) as exc:
+        print(f"hdet simulate: {exc}", file=sys.stderr)
+        return 2
+    if args.every < 1:
+        print("hdet simulate: --every must be >= 1", file=sys.stderr)
+        return 2
+    replicas = args.arms * args.replicas_per_arm
+    optimum = best_lr(problem, replicas)
+    base = args.base_lr if args.base_lr is not None else args.base_lr_factor * optimum
+    try:
+        result = simulate(
+            config, args.arms, base, args.steps, replicas_per_arm=args.replicas_per_arm,
+            dim=args.dim, seed=args.seed, problem=problem,
+        )
+    except AllArmsNonFinite as exc:
+        print(f"hdet simulate: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"hdet simulate: {exc}", file=sys.stderr)
+        return 2
+
+    print(
+        f"# NQM dim={args.dim}, {args.arms} arms x {args.replicas_per_arm} replicas, "
+        f"grad_sync={args.grad_sync}, T={args.period}, spread={args.spread:.4g}, "
+        f"sigma={args.sigma}, meta_lr={args.meta_lr}, momentum={args.momentum}, rule={args.rule}"
+    )
+    print(
+        f"# optimum lr={optimum:.4g} (steady-state loss {steady_state_loss(problem, optimum, replicas):.4g}), "
+        f"base lr={base:.4g} ({base / optimum:.3g}x optimum)"
+    )
+    print(f"{'window':>6} {'step':>8} {'scale':>9} {'lr/opt':>8} {'loss':>10}")
+    last = len(result.scales) - 1
+    for k, (step, scale, loss) in enumerate(zip(result.steps, result.scales, result.losses)):
+        if k % args.every == 0 or k == last:
+            print(f"{k:>6} {step:>8} {scale:>9.4f} {base * scale / optimum:>8.3f} {loss:>10.4g}")
+    print(
+        f"# final lr={result.final_lr:.4g} ({result.final_lr / optimum:.3f}x optimum), "
+        f"final loss={result.final_loss:.4g}, rollbacks={result.rollbacks}"
+    )
+    return 0
+
+
+# --- hdet report RUN_DIR ----------------------------------------------------------------------
+# Placeholder: plots/tables of a training run directory. Replace _run_report (and extend
+# _add_report) when the run-directory format is settled.
+
+
+def _add_report(subparsers) -> None:
+    p = subparsers.add_parser("report", help="summarise a training run (not implemented yet)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="directory of an HDET training run")
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    print(f"hdet report: not implemented yet (RUN_DIR={args.run_dir})", file=sys.stderr)
+    return 2
+
+
+# --- registry and entry point -----------------------------------------------------------------
+
+#: name -> (add parser, run). Order = order in ``hdet --help``.
+SUBCOMMANDS: dict[str, tuple[Callable, Callable[[argparse.Namespace], int]]] = {
+    "simulate": (_add_simulate, _run_simulate),
+    "report": (_add_report, _run_report),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hdet`` argument parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="hdet", description="Hyperparameter-Divergent Ensemble Training (HDET) tools"
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    for add, _ in SUBCOMMANDS.values():
+        add(subparsers)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``hdet``; returns the exit code (0 = success)."""
+    args = build_parser().parse_args(argv)
+    _, run = SUBCOMMANDS[args.command]
+    return run(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""Noisy-quadratic-model (NQM) simulator of HDET: study the controller at scale in seconds.
+
+The problem (a *tracking* NQM): ``dim`` independent coordinates with curvatures ``h_i``
+log-spaced in ``[h_min, h_max]``. The loss of a replica is ``0.5 * sum_i h_i e_i^2`` where
+``e = theta - theta*`` is its error. Every step
+
+* each replica draws a noisy gradient ``h * e + xi`` with ``xi_i ~ N(0, noise * h_i)`` (the NQM's
+  gradient covariance proportional to the curvature), independent across replicas;
+* gradients are averaged over all replicas (``grad_sync="global"``, the paper's DDP) or inside
+  each arm (``"arm"``), and replica ``j`` of arm ``r`` steps ``e <- e - lr_r * g``;
+* the optimum moves: ``theta*`` takes a random-walk step ``N(0, drift)`` per coordinate, the
+  same for all replicas (the data distribution drifts).
+
+Every ``config.period`` steps the replicas converge (their errors are averaged over the
+replicas of the arms whose loss is finite) and the :class:`~hdet_megatron.controller.AutoController`
+updates the LR scale from the arms' mean window losses.
+
+Why the drift: it gives the problem a *time-invariant* interior optimum LR, so "did the
+controller find the best LR" has a clean answer. Too low an LR lags behind the moving optimum
+(loss ~ drift / lr), too high amplifies gradient noise (loss ~ lr * noise) and diverges above
+``2 / h_max``. In steady state, plain data-parallel SGD with ``N`` replicas at constant LR
+``eta`` has (exactly, per coordinate, a scalar linear recursion for the second moment)::
+
+    E[loss](eta) = sum_i 0.5 * (eta^2 * noise * h_i / N + drift) / (eta * (2 - eta * h_i))
+
+:func:`best_lr` minimises this analytically-known function ("by construction"); a grid sweep
+of plain training in this simulator (:func:`sweep_lr`) agrees with it (tested). Note that the
+averaged model of ``grad_sync="arm"`` plain training follows the same recursion (the gradient
+is linear in the parameters), so the formula holds for both sync modes.
+
+Things to know when reading results:
+
+* ``grad_sync="global"``: the gradient is linear in the parameters, so the *averaged* model
+  follows plain SGD at the arms' mean LR exactly; the spread itself costs nothing here, and only
+  the controller's choice of scale changes the converged model.
+* ``grad_sync="arm"``: each arm's window loss carries its own (one arm's batch) gradient noise,
+  so the controller settles near ``best_lr(problem, replicas_per_arm)``, below the optimum of
+  the full data-parallel batch (see ``tests/test_sim.py``).
+* A rollback (``config.rollback`` when every arm diverged) uses up its window of the budget.
+
+Randomness: one local ``numpy.random.Generator`` per run, seeded from ``seed``; no global RNG.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from hdet_megatron.config import HDETConfig
+from hdet_megatron.controller import AllArmsNonFinite, AutoController, ControllerUpdate
+from hdet_megatron.spread import arm_spread
+
+__all__ = ["NQMProblem", "SimResult", "simulate", "steady_state_loss", "best_lr", "sweep_lr"]
+
+
+@dataclass(frozen=True)
+class NQMProblem:
+    """The tracking noisy quadratic (see the module docstring). Defaults put the optimum LR of
+    8 replicas near 0.26, well inside the stable range ``lr < 2 / h_max = 2``, so both 4x too
+    low and 4x too high (times the largest arm multiplier) are stable but clearly worse."""
+
+    dim: int = 16
+    h_min: float = 0.1
+    h_max: float = 1.0
+    noise: float = 1.0
+    """Per-replica gradient-noise variance per unit curvature."""
+    drift: float = 4e-3
+    """Per-step random-walk variance of every coordinate of the optimum."""
+    init_scale: float = 1.0
+    """Std of the initial error of every coordinate (identical for all replicas)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 1:
+            raise ValueError(f"NQMProblem.dim={self.dim!r} must be an integer >= 1")
+        if not 0 < self.h_min <= self.h_max:
+            raise ValueError(
+                f"NQMProblem curvatures need 0 < h_min <= h_max, got {self.h_min}, {self.h_max}"
+            )
+        for name in ("noise", "drift", "init_scale"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"NQMProblem.{name}={value!r} must be a finite number >= 0")
+        if self.noise == 0 and self.drift == 0:
+            raise ValueError("NQMProblem needs noise > 0 or drift > 0 for an interior optimum LR")
+
+    def curvatures(self) -> list[float]:
+        """``h_i``, log-spaced in ``[h_min, h_max]``."""
+        if self.dim == 1:
+            return [self.h_max]
+        ratio = math.log(self.h_max / self.h_min)
+        return [self.h_min * math.exp(ratio * i / (self.dim - 1)) for i in range(self.dim)]
+
+
+def steady_state_loss(problem: NQMProblem, lr: float, replicas: int = 1) -> float:
+    """Expected steady-state loss of plain data-parallel SGD (``replicas`` replicas, gradients
+    averaged over all of them) at constant ``lr``; ``inf`` where it is unstable."""
+    if not lr > 0:
+        return math.inf
+    total = 0.0
+    for h in problem.curvatures():
+        if lr * h >= 2.0:
+            return math.inf
+        total += 0.5 * (lr * lr * problem.noise * h / replicas + problem.drift) / (lr * (2.0 - lr * h))
+    return total
+
+
+def best_lr(problem: Optional[NQMProblem] = None, replicas: int = 8) -> float:
+    """The LR minimising :func:`steady_state_loss` (known by construction; golden-section
+    search on ``log lr`` over the stable range, the function being unimodal there)."""
+    problem = problem or NQMProblem()
+    lo, hi = math.log(1e-8), math.log(2.0 / problem.h_max) - 1e-12
+    inv_phi = (math.sqrt(5.0) - 1.0) / 2.0
+    a, b = lo, hi
+    x1, x2 = b - inv_phi * (b - a), a + inv_phi * (b - a)
+    f1, f2 = (steady_state_loss(problem, math.exp(x), replicas) for x in (x1, x2))
+    for _ in range(200):
+        if f1 <= f2:
+            b, x2, f2 = x2, x1, f1
+            x1 = b - inv_phi * (b - a)
+            f1 = steady_state_loss(problem, math.exp(x1), replicas)
+        else:
+            a, x1, f1 = x1, x2, f2
+            x2 = a + inv_phi * (b - a)
+            f2 = steady_state_loss(problem, math.exp(x2), replicas)
+    return math.exp((a + b) / 2.0)
+
+
+@dataclass
+class SimResult:
+    """Per-window trajectories of one simulated run (window k ends at step ``(k+1)*period``)."""
+
+    steps: list[int]
+    """Step at which each window ended."""
+    scales: list[float]
+    """The LR axis' scale c after each window's controller update."""
+    losses: list[float]
+    """Mean training loss over the window (all steps, all healthy replicas)."""
+    converged_losses: list[float]
+    """Loss of the converged (averaged) model after each window."""
+    base_lr: float
+    best_lr: float
+    """Analytic optimum LR of plain training with the same replica count (:func:`best_lr`)."""
+    rollbacks: int = 0
+    updates: list[ControllerUpdate] = field(default_factory=list)
+    """Every controller update (only if ``simulate(..., keep_updates=True)``)."""
+
+    @property
+    def final_scale(self) -> float:
+        return self.scales[-1]
+
+    @property
+    def final_lr(self) -> float:
+        """``base_lr * c`` at the end of the run."""
+        return self.base_lr * self.scales[-1]
+
+    @property
+    def final_loss(self) -> float:
+        """Mean converged-model loss over the last 10% of the windows (at least one)."""
+        tail = self.converged_losses[-max(1, len(self.converged_losses) // 10):]
+        return float(np.mean(tail))
+
+
+def simulate(
+    config: HDETConfig,
+    arms: int,
+    base_lr: float,
+    steps: int,
+    replicas_per_arm: int = 1,
+    dim: int = 16,
+    seed: int = 0,
+    problem: Optional[NQMProblem] = None,
+    keep_updates: bool = False,
+) -> SimResult:
+    """Run HDET on the tracking NQM for ``steps`` steps (rounded down to whole windows).
+
+    ``arms`` arms of ``replicas_per_arm`` replicas each; arm r uses
+    ``lr = base_lr * c * rho`` with ``rho`` from :func:`hdet_megatron.spread.arm_spread` and c the
+    controller's scale of the ``lr`` axis (the only axis this simulator models). ``config``
+    supplies the period, spread, sync mode and controller settings (``config.arms`` is ignored
+    in favour of ``arms``). ``problem`` defaults to ``NQMProblem(dim=dim)``; if given, ``dim``
+    must equal ``problem.dim``.
+    """
+    if problem is None:
+        problem = NQMProblem(dim=dim)
+    elif dim != problem.dim:
+        raise ValueError(f"dim={dim} disagrees with problem.dim={problem.dim}; pass one of them")
+    if [a.name for a in config.axes] != ["lr"]:
+        raise ValueError(
+            f"the simulator models exactly one axis, 'lr'; config has {[a.name for a in config.axes]}"
+        )
+    for name, value in (("arms", arms), ("replicas_per_arm", replicas_per_arm), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    if not math.isfinite(base_lr) or base_lr <= 0:
+        raise ValueError(f"base_lr={base_lr!r} must be a finite number > 0")
+
+    rng = np.random.default_rng(seed)
+    period = config.period
+    windows = steps // period
+    if windows < 1:
+        raise ValueError(f"steps={steps} is shorter than one window (period={period})")
+    replicas = arms * replicas_per_arm
+    h = np.asarray(problem.curvatures())
+    drift_std = math.sqrt(problem.drift)
+    controller = AutoController(config, arms)
+    # All replicas of one arm start equal, apply the same (arm- or globally-averaged) gradient
+    # with the same LR, so they stay equal: the state is one error vector per arm, and the
+    # replicas only enter through the noise of the averaged gradient (the mean of m independent
+    # N(0, noise*h) draws is N(0, noise*h/m), drawn directly).
+    sync_replicas = replicas if config.grad_sync == "global" else replicas_per_arm
+    grad_noise_std = np.sqrt(problem.noise * h / sync_replicas)
+
+    error = np.broadcast_to(rng.normal(0.0, problem.init_scale, size=problem.dim), (arms, problem.dim)).copy()
+    last_good = error[0].copy()
+    result = SimResult([], [], [], [], base_lr, best_lr(problem, replicas))
+    window = 0
+    while window < windows:
+        rho = np.asarray(arm_spread(config, arms, controller.window)["lr"])
+        lr = (base_lr * controller.scale("lr") * rho)[:, None]
+        # One draw per window (fewer, larger numpy calls); the stream is fixed by the seed.
+        if config.grad_sync == "global":
+            noise = grad_noise_std * rng.standard_normal((period, 1, problem.dim))
+        else:
+            noise = grad_noise_std * rng.standard_normal((period, arms, problem.dim))
+        drift = drift_std * rng.standard_normal((period, problem.dim))
+        loss_sum = np.zeros(arms)
+        with np.errstate(over="ignore", invalid="ignore"):
+            for t in range(period):
+                loss_sum += (error * error) @ h
+                if config.grad_sync == "global":
+                    grad = h * error.mean(axis=0) + noise[t]
+                else:
+                    grad = h * error + noise[t]
+                error = error - lr * grad + drift[t]
+        arm_losses = 0.5 * loss_sum / period
+        step = (window + 1) * period
+        try:
+            update = controller.update(
+                arm_losses.tolist(), {"lr": rho.tolist()}, step, base_values={"lr": base_lr}
+            )
+        except AllArmsNonFinite:
+            if not config.rollback:
+                raise
+            # Roll back to the last converged state and retry the window with half the scale.
+            error = np.broadcast_to(last_good, error.shape).copy()
+            controller.cut_scale(0.5)
+            result.rollbacks += 1
+            window += 1
+            continue
+        healthy = np.isfinite(arm_losses)
+        # Converge: the healthy arms' mean overwrites every arm (arms have equal replica counts).
+        mean_error = error[healthy].mean(axis=0)
+        error = np.broadcast_to(mean_error, error.shape).copy()
+        last_good = mean_error
+        result.steps.append(step)
+        result.scales.append(controller.scale("lr"))
+        result.losses.append(float(arm_losses[healthy].mean()))
+        result.converged_losses.append(float(0.5 * (h * mean_error * mean_error).sum()))
+        if keep_updates:
+            result.updates.append(update)
+        window += 1
+    return result
+
+
+def sweep_lr(
+    lrs: Sequence[float],
+    replicas: int = 8,
+    steps: int = 20000,
+    burn_in: int = 5000,
+    seed: int = 0,
+    problem: Optional[NQMProblem] = None,
+) -> list[float]:
+    """Mean loss of plain data-parallel SGD (``replicas`` replicas, gradients averaged over
+    all of them, constant LR) at each LR, averaged over steps ``burn_in..steps`` of this
+    simulator: the empirical counterpart of :func:`steady_state_loss` (``inf``/``nan`` where it
+    diverges). All LRs run side by side on the same random numbers (common random numbers),
+    so the comparison between LRs is much less noisy than the losses themselves."""
+    problem = problem or NQMProblem()
+    if not 0 <= burn_in < steps:
+        raise ValueError(f"need 0 <= burn_in < steps, got burn_in={burn_in}, steps={steps}")
+    rng = np.random.default_rng(seed)
+    h = np.asarray(problem.curvatures())
+    lr = np.asarray(lrs, dtype=float)[:, None]
+    noise_std = np.sqrt(problem.noise * h)
+    drift_std = math.sqrt(problem.drift)
+    error = np.broadcast_to(rng.normal(0.0, problem.init_scale, size=problem.dim), (len(lr), problem.dim)).copy()
+    # The gradient noise averaged over `replicas` replicas, and the drift, for every step.
+    noise = (noise_std / math.sqrt(replicas)) * rng.standard_normal((steps, problem.dim))
+    drift = drift_std * rng.standard_normal((steps, problem.dim))
+    total = np.zeros(len(lr))
+    with np.errstate(over="ignore", invalid="ignore"):
+        for t in range(steps):
+            if t >= burn_in:
+                total += 0.5 * ((error * error) @ h)
+            error = error - lr * (h * error + noise[t]) + drift[t]
+    return (total / (steps - burn_in)).tolist()
