@@ -325,7 +325,7 @@ _ALL_ZERO = (
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _check_weight(weights, device: torch.device):

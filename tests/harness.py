@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import tempfile
@@ -66,7 +67,9 @@ def _rank_main(rank, world_size, init_file, fn, args, kwargs, results, threads):
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
         )
         out = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, True, out))
+        # Plain pickle: multiprocessing's pickler would pass tensors by file descriptor, which
+        # breaks once this rank has exited.
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -133,4 +136,4 @@ def run_world(
         if missing:
             parts.append(f"ranks {missing} did not finish within {timeout:.0f}s (killed)")
         raise WorldFailed(f"{fn.__name__} failed on {world_size} ranks:\n" + "\n".join(parts))
-    return [outcomes[r][1] for r in range(world_size)]
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]

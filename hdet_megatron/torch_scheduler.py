@@ -1,0 +1,513 @@
+"""``HDETOneCycleLR``: a drop-in for ``torch.optim.lr_scheduler.OneCycleLR`` that runs HDET.
+
+Every rank of ``process_group`` is a data-parallel replica; replicas are grouped into arms
+(``hdet.arms``; default one arm per rank; arm of rank r = ``r // (size / arms)``). Inside
+window ``k`` (steps ``[k T, (k+1) T)``, ``T = hdet.period``) rank r trains with
+
+    lr_g(t) = base_g(t) * c * rho_{arm(r)}(k)
+
+where ``base_g`` is torch's OneCycle value for param group g (bit-identical, see
+:mod:`hdet_megatron.schedule`), ``c`` the :class:`~hdet_megatron.controller.AutoController`'s
+learned scale and ``rho`` the arm's multiplier from :func:`hdet_megatron.spread.arm_spread`
+(a fresh permutation per window, from a counter-based generator: global RNGs are never
+touched). Every ``T`` steps ``step()`` converges: it all-reduces the arms' window losses (one
+tiny collective), updates the controller (identically on every rank) and averages the
+parameters in place with a :class:`~hdet_megatron.averaging.BucketedAverager`; an arm whose
+window loss is non-finite gets weight 0 and is overwritten by the healthy arms' average.
+
+Unlike the paper's reference ``OneCycleAutoLR`` this spreads from step 0 (also with the
+controller off), keeps the OneCycle shape (and momentum cycling) inside every window, lets
+the base LR decay exactly like OneCycle while the controller only learns ``c``, never reseeds
+a global RNG, averages in a few buckets, and makes no host sync per step (losses accumulate
+on the device).
+
+Typical loop (with or without a ``DistributedDataParallel`` wrapper)::
+
+    sched = HDETOneCycleLR(opt, max_lr=1e-3, total_steps=N, hdet=HDETConfig(period=100))
+    for batch in data:
+        loss = loss_fn(model(batch))      # this rank's local loss, before any DP reduction
+        loss.backward(); opt.step(); opt.zero_grad()
+        sched.step(loss)
+    sched.converge()                      # optional: average the final partial window too
+
+With ``hdet=None`` (or one rank, spread 0 and the controller off) it is exactly ``OneCycleLR``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import warnings
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch.optim.lr_scheduler import OneCycleLR
+
+from hdet_megatron.averaging import AverageStats, BucketedAverager
+from hdet_megatron.config import HDETConfig
+from hdet_megatron.controller import AllArmsNonFinite, AutoController, ControllerUpdate
+from hdet_megatron.schedule import ANNEAL_STRATEGIES, phase_at
+from hdet_megatron.spread import arm_axis_value, arm_spread
+
+__all__ = ["HDETOneCycleLR", "MissingLoss"]
+
+_SUPPORTED_AXES = "'lr' or 'lr:<param-group name pattern>'"
+
+
+class MissingLoss(RuntimeError):
+    """The controller needs window losses but ``step()`` got no ``loss`` (on some arm)."""
+
+
+class _Runtime:
+    """Everything HDET keeps besides torch's own scheduler state (excluded from ``state_dict``
+    except for the plain-data parts written under ``"hdet"``)."""
+
+    def __init__(self, config: HDETConfig, optimizer, model, process_group) -> None:
+        self.config = config
+        if dist.is_available() and dist.is_initialized():
+            self.group = process_group
+            self.size = dist.get_world_size(process_group)
+            self.rank = dist.get_rank(process_group)
+            if self.rank < 0:
+                raise ValueError("this rank is not a member of the process_group given to HDETOneCycleLR")
+        else:
+            if process_group is not None:
+                raise ValueError("process_group given but torch.distributed is not initialized")
+            self.group, self.size, self.rank = None, 1, 0
+        self.num_arms = config.arms if config.arms is not None else self.size
+        if self.size % self.num_arms:
+            raise ValueError(
+                f"HDETConfig.arms={self.num_arms} must divide the number of data-parallel ranks "
+                f"({self.size}); use a divisor of {self.size} or arms=None (one arm per rank)"
+            )
+        self.ranks_per_arm = self.size // self.num_arms
+        self.arm = self.rank // self.ranks_per_arm
+
+        # Which axis drives the LR of each param group.
+        self.group_axes: list[Optional[Any]] = []
+        for axis in config.axes:
+            if axis.name != "lr" and axis.group is None:
+                raise NotImplementedError(
+                    f"HDETOneCycleLR explores only the learning rate ({_SUPPORTED_AXES}); axis "
+                    f"{axis.name!r} needs model support (use the Megatron integration, or remove it)"
+                )
+        for g, group in enumerate(optimizer.param_groups):
+            found = [a for a in config.axes if a.name == "lr"]
+            name = group.get("name")
+            if name is not None:
+                found += [a for a in config.axes if a.group and fnmatch.fnmatchcase(str(name), a.group)]
+            if len(found) > 1:
+                raise ValueError(
+                    f"param group {g} (name {name!r}) matches several axes "
+                    f"{[a.name for a in found]}; make the lr:<group> patterns disjoint"
+                )
+            self.group_axes.append(found[0] if found else None)
+        for axis in config.axes:
+            if axis.group is not None and axis not in self.group_axes:
+                raise ValueError(
+                    f"axis {axis.name!r} matches no param group (names: "
+                    f"{[g.get('name') for g in optimizer.param_groups]}); give the groups a "
+                    "'name' entry or fix the pattern"
+                )
+
+        self.controller = AutoController(config, self.num_arms)
+        if model is not None:
+            params = list(model.parameters())
+        else:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.params = list({id(p): p for p in params}.values())
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.averager: Optional[BucketedAverager] = None
+        if self.size > 1:
+            self.averager = BucketedAverager(self.params, group=self.group, bucket_mb=config.bucket_mb)
+        acc_dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        self.loss_sum = torch.zeros((), dtype=acc_dtype, device=self.device)
+        self.host_loss_sum = 0.0
+        self.loss_count = 0
+        self.snapshot: Optional[list[torch.Tensor]] = None
+        if config.rollback:
+            self.take_snapshot()
+        self.spread_cache: tuple[int, dict[str, list[float]]] = (-1, {})
+        self.last_update: Optional[ControllerUpdate] = None
+        self.last_stats: Optional[AverageStats] = None
+        self.last_base_lrs: list[float] = []
+        self.num_converges = 0
+        self.num_rollbacks = 0
+
+    # -- spread ---------------------------------------------------------------------------------
+    def spreads(self, window: int) -> dict[str, list[float]]:
+        if self.spread_cache[0] != window:
+            self.spread_cache = (window, arm_spread(self.config, self.num_arms, window))
+        return self.spread_cache[1]
+
+    def factor_value(self, group_index: int, base: float, window: int) -> float:
+        axis = self.group_axes[group_index]
+        if axis is None:
+            return base
+        rho = self.spreads(window)[axis.name][self.arm]
+        return arm_axis_value(axis, base, self.controller.scale(axis.name), rho)
+
+    # -- losses ---------------------------------------------------------------------------------
+    def add_loss(self, loss) -> None:
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ValueError(
+                    f"step(loss): loss must be a scalar (this rank's mean loss of the step), got "
+                    f"shape {tuple(loss.shape)}"
+                )
+            self.loss_sum.add_(loss.detach().reshape(()).to(self.loss_sum.device, self.loss_sum.dtype))
+        elif isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            self.host_loss_sum += float(loss)
+        else:
+            raise TypeError(f"step(loss): loss must be a tensor or a number, got {type(loss).__name__}")
+        self.loss_count += 1
+
+    def reset_losses(self) -> None:
+        self.loss_sum.zero_()
+        self.host_loss_sum = 0.0
+        self.loss_count = 0
+
+    def arm_losses(self) -> tuple[list[float], list[float]]:
+        """(mean window loss, number of losses) per arm: one tiny all-reduce, one host sync."""
+        table = torch.zeros(2, self.num_arms, dtype=self.loss_sum.dtype, device=self.device)
+        table[0, self.arm] = self.loss_sum + self.host_loss_sum
+        table[1, self.arm] = float(self.loss_count)
+        if self.size > 1:
+            dist.all_reduce(table, group=self.group)
+        sums, counts = table.tolist()
+        losses = [s / c if c else math.nan for s, c in zip(sums, counts)]
+        return losses, counts
+
+    # -- rollback -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def take_snapshot(self) -> None:
+        if self.snapshot is None:
+            self.snapshot = [p.detach().clone() for p in self.params]
+        else:
+            for s, p in zip(self.snapshot, self.params):
+                s.copy_(p.detach())
+
+    @torch.no_grad()
+    def restore_snapshot(self) -> None:
+        for s, p in zip(self.snapshot, self.params):
+            p.copy_(s)
+
+
+class HDETOneCycleLR(OneCycleLR):
+    """``OneCycleLR`` with HDET's fan-out, converge and auto-LR controller.
+
+    Same arguments and behaviour as :class:`torch.optim.lr_scheduler.OneCycleLR`, plus:
+
+    Args:
+        hdet: the HDET settings; None = plain ``OneCycleLR`` (no collectives at all). Only the
+            learning rate can be explored here (axes ``lr`` or ``lr:<group>``, the latter
+            matched against the param groups' ``"name"`` entries).
+        model: average ``model.parameters()`` at each converge (default: the optimizer's params).
+        process_group: the data-parallel ranks whose replicas form the arms (default: WORLD).
+
+    ``step(loss)`` takes this rank's (undetached is fine) local training loss of the step just
+    taken; the arms' window losses drive the controller and the non-finite exclusion. An arm
+    whose window loss is non-finite is excluded from the average (weight 0: its parameters are
+    overwritten by the healthy arms' mean) and the non-finite entries of its optimizer state are
+    zeroed, so it does not turn NaN again on its next step. All arms non-finite: the controller's
+    :class:`~hdet_megatron.controller.AllArmsNonFinite`, or with ``hdet.rollback`` the
+    parameters of the last converge are restored (a snapshot kept on the device) and the scale
+    is halved. Single-arm runs need no loss (the controller has nothing to compare).
+    Attributes after each converge: :attr:`last_update` (the controller's
+    :class:`~hdet_megatron.controller.ControllerUpdate`), :attr:`last_stats` (the averaging's
+    :class:`~hdet_megatron.averaging.AverageStats`), :meth:`metrics`.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_lr: Union[float, Sequence[float]],
+        total_steps: Optional[int] = None,
+        epochs: Optional[int] = None,
+        steps_per_epoch: Optional[int] = None,
+        pct_start: float = 0.3,
+        anneal_strategy: str = "cos",
+        cycle_momentum: bool = True,
+        base_momentum: Union[float, Sequence[float]] = 0.85,
+        max_momentum: Union[float, Sequence[float]] = 0.95,
+        div_factor: float = 25.0,
+        final_div_factor: float = 1e4,
+        three_phase: bool = False,
+        last_epoch: int = -1,
+        *,
+        hdet: Optional[HDETConfig] = None,
+        model: Optional[torch.nn.Module] = None,
+        process_group: Optional[dist.ProcessGroup] = None,
+    ) -> None:
+        if hdet is not None and not isinstance(hdet, HDETConfig):
+            raise TypeError(f"hdet must be an HDETConfig or None, got {type(hdet).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"{type(optimizer).__name__} is not an Optimizer")
+        # Must exist before OneCycleLR.__init__ runs the initial step().
+        self._hdet: Optional[_Runtime] = (
+            _Runtime(hdet, optimizer, model, process_group) if hdet is not None else None
+        )
+        super().__init__(
+            optimizer,
+            max_lr,
+            total_steps=total_steps,
+            epochs=epochs,
+            steps_per_epoch=steps_per_epoch,
+            pct_start=pct_start,
+            anneal_strategy=anneal_strategy,
+            cycle_momentum=cycle_momentum,
+            base_momentum=base_momentum,
+            max_momentum=max_momentum,
+            div_factor=div_factor,
+            final_div_factor=final_div_factor,
+            three_phase=three_phase,
+            last_epoch=last_epoch,
+        )
+
+    # ------------------------------------------------------------------ schedule
+    def _base_lrs_at(self, step: int) -> list[float]:
+        """OneCycle base LR of every group at ``step`` (no side effects)."""
+        anneal = ANNEAL_STRATEGIES[self._anneal_func_type]
+        phase, pct = phase_at(self._schedule_phases, min(step, self.total_steps))
+        return [anneal(g[phase["start_lr"]], g[phase["end_lr"]], pct) for g in self.optimizer.param_groups]
+
+    def get_lr(self) -> list[float]:
+        """OneCycle's value (bit-identical to torch) times this arm's ``c * rho``; cycles the
+        momentum / beta1 exactly like ``OneCycleLR`` (a side effect, as in torch)."""
+        if not self._get_lr_called_within_step:
+            warnings.warn(
+                "To get the last learning rate computed by the scheduler, please use `get_last_lr()`.",
+                UserWarning,
+                stacklevel=2,
+            )
+        step_num = self.last_epoch
+        if step_num > self.total_steps:
+            raise ValueError(
+                f"Tried to step {step_num} times. The specified number of total steps is {self.total_steps}"
+            )
+        anneal = ANNEAL_STRATEGIES[self._anneal_func_type]
+        rt = self._hdet
+        window = step_num // rt.config.period if rt is not None else 0
+        lrs, bases = [], []
+        for g, group in enumerate(self.optimizer.param_groups):
+            phase, pct = phase_at(self._schedule_phases, step_num)
+            base = anneal(group[phase["start_lr"]], group[phase["end_lr"]], pct)
+            bases.append(base)
+            lrs.append(rt.factor_value(g, base, window) if rt is not None else base)
+            if self.cycle_momentum:
+                momentum = anneal(group[phase["start_momentum"]], group[phase["end_momentum"]], pct)
+                if self.use_beta1:
+                    group["betas"] = (momentum, *group["betas"][1:])
+                else:
+                    group["momentum"] = momentum
+        if rt is not None:
+            rt.last_base_lrs = bases
+        return lrs
+
+    # ------------------------------------------------------------------ stepping
+    def step(self, loss: Union[None, float, torch.Tensor] = None) -> None:  # type: ignore[override]
+        """Advance one optimizer step. ``loss``: this rank's local loss of the step just taken
+        (needed by the controller; accumulated on the device, no host sync). Every
+        ``hdet.period`` steps this converges (collective: call it on every rank)."""
+        rt = self._hdet
+        initial = getattr(self, "_is_initial", False) or getattr(self, "_step_count", 0) == 0
+        if rt is not None and not initial:
+            if loss is not None:
+                rt.add_loss(loss)
+            done = self.last_epoch + 1  # optimizer steps taken so far
+            if done > 0 and done % rt.config.period == 0:
+                self._converge(done)
+        super().step()
+
+    def converge(self) -> Optional[ControllerUpdate]:
+        """Converge now (collective), e.g. after the last step of a run whose length is not a
+        multiple of the period: the controller sees the partial window's losses (when there
+        are any) and the replicas are averaged. The current window's spread is kept."""
+        if self._hdet is None:
+            return None
+        done = self.last_epoch
+        self._converge(done, partial=True)
+        return self.last_update
+
+    def _converge(self, step: int, partial: bool = False) -> None:
+        rt = self._hdet
+        cfg = rt.config
+        window = max(self.last_epoch, 0) // cfg.period
+        losses, counts = rt.arm_losses()
+        update: Optional[ControllerUpdate] = None
+        if not any(counts):
+            # No loss signal at all (e.g. a single arm used as a drop-in OneCycleLR): average,
+            # leave the controller alone.
+            if cfg.auto and step >= cfg.auto_start and not partial and rt.num_arms > 1:
+                raise MissingLoss(
+                    f"HDET window {window} ended at step {step} without any loss: pass this "
+                    "rank's training loss to scheduler.step(loss) so the controller can compare "
+                    "the arms (or set HDETConfig(auto=False))"
+                )
+        elif not all(counts):
+            missing = [a for a, c in enumerate(counts) if not c]
+            raise MissingLoss(
+                f"HDET window {window}: arm(s) {missing} reported no loss while others did; "
+                "call scheduler.step(loss) on every rank"
+            )
+        else:
+            bases = self._base_lrs_at(step)  # base schedule at the first step of the next window
+            base_values = {
+                axis.name: bases[rt.group_axes.index(axis)]
+                for axis in cfg.axes
+                if axis in rt.group_axes
+            }
+            try:
+                update = rt.controller.update(losses, rt.spreads(window), step, base_values)
+            except AllArmsNonFinite:
+                if not cfg.rollback:
+                    raise
+                rt.restore_snapshot()
+                self._sanitize_optimizer_state()
+                rt.controller.cut_scale(0.5)
+                rt.reset_losses()
+                rt.num_rollbacks += 1
+                warnings.warn(
+                    f"HDET: every arm's loss was non-finite in window {window} (step {step}); "
+                    "restored the last converged parameters and halved the LR scale",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                return
+        excluded = update.excluded if update is not None else []
+        if rt.averager is not None:
+            weight = None
+            if excluded:
+                weight = 0.0 if rt.arm in excluded else 1.0
+            rt.last_stats = rt.averager.average(weight)
+        if rt.arm in excluded:
+            self._sanitize_optimizer_state()
+        if cfg.rollback:
+            rt.take_snapshot()
+        rt.reset_losses()
+        if update is not None:
+            rt.last_update = update
+        rt.num_converges += 1
+
+    @torch.no_grad()
+    def _sanitize_optimizer_state(self) -> None:
+        """On an excluded arm: zero the non-finite entries of the optimizer state (momentum
+        buffers, Adam moments), or the arm would turn NaN again on its next step although its
+        parameters were just overwritten by the healthy arms' average. No host sync."""
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    torch.nan_to_num_(value, nan=0.0, posinf=0.0, neginf=0.0)
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def hdet(self) -> Optional[HDETConfig]:
+        return self._hdet.config if self._hdet is not None else None
+
+    @property
+    def arm(self) -> int:
+        """This rank's arm (0 without HDET)."""
+        return self._hdet.arm if self._hdet is not None else 0
+
+    @property
+    def num_arms(self) -> int:
+        return self._hdet.num_arms if self._hdet is not None else 1
+
+    @property
+    def controller(self) -> Optional[AutoController]:
+        return self._hdet.controller if self._hdet is not None else None
+
+    @property
+    def averager(self) -> Optional[BucketedAverager]:
+        return self._hdet.averager if self._hdet is not None else None
+
+    @property
+    def last_update(self) -> Optional[ControllerUpdate]:
+        """The controller update of the last converge (None before the first)."""
+        return self._hdet.last_update if self._hdet is not None else None
+
+    @property
+    def last_stats(self) -> Optional[AverageStats]:
+        """Averaging stats of the last converge (None before it, or on a single rank)."""
+        return self._hdet.last_stats if self._hdet is not None else None
+
+    @property
+    def last_arm_losses(self) -> Optional[list[float]]:
+        update = self.last_update
+        return list(update.arm_losses) if update is not None else None
+
+    @property
+    def window(self) -> int:
+        """Index of the current window (``last_epoch // period``)."""
+        return self.last_epoch // self._hdet.config.period if self._hdet is not None else 0
+
+    def arm_multipliers(self, axis: str = "lr") -> list[float]:
+        """Every arm's spread value on ``axis`` in the current window."""
+        if self._hdet is None:
+            return [1.0]
+        return list(self._hdet.spreads(self.window)[axis])
+
+    def get_last_base_lr(self) -> list[float]:
+        """The OneCycle base LR of each group at the current step (before ``c * rho``)."""
+        if self._hdet is None:
+            return list(self.get_last_lr())
+        return list(self._hdet.last_base_lrs)
+
+    def metrics(self) -> dict:
+        """Plain-data view for logging: window, arm, multipliers, scales, last converge."""
+        if self._hdet is None:
+            return {"step": self.last_epoch, "lr": list(self.get_last_lr())}
+        rt = self._hdet
+        out = {
+            "step": self.last_epoch,
+            "window": self.window,
+            "arm": rt.arm,
+            "num_arms": rt.num_arms,
+            "lr": list(self.get_last_lr()),
+            "base_lr": list(rt.last_base_lrs),
+            "multipliers": {k: list(v) for k, v in rt.spreads(self.window).items()},
+            "scales": rt.controller.scales(),
+            "num_converges": rt.num_converges,
+            "num_rollbacks": rt.num_rollbacks,
+        }
+        if rt.last_update is not None:
+            out["last_update"] = rt.last_update.to_dict()
+        if rt.last_stats is not None:
+            out["converge_bytes"] = rt.last_stats.bytes
+            out["converge_buckets"] = rt.last_stats.num_buckets
+            out["converge_seconds"] = rt.last_stats.seconds
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """torch's ``OneCycleLR`` state plus (with HDET) an ``"hdet"`` entry: controller state,
+        the current window's loss accumulators and the config fingerprint."""
+        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "_hdet")}
+        rt = self._hdet
+        if rt is not None:
+            state["hdet"] = {
+                "controller": rt.controller.state_dict(),
+                "loss_sum": float(rt.loss_sum) + rt.host_loss_sum,
+                "loss_count": rt.loss_count,
+                "num_converges": rt.num_converges,
+                "num_rollbacks": rt.num_rollbacks,
+                "config": rt.config.fingerprint(),
+            }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load :meth:`state_dict` output, or a plain ``OneCycleLR`` state (HDET then starts
+        fresh from that step)."""
+        state = dict(state_dict)
+        hdet_state = state.pop("hdet", None)
+        state.pop("_hdet", None)
+        self.__dict__.update(state)
+        rt = self._hdet
+        if rt is not None and hdet_state is not None:
+            rt.controller.load_state_dict(hdet_state["controller"])
+            rt.reset_losses()
+            rt.host_loss_sum = float(hdet_state.get("loss_sum", 0.0))
+            rt.loss_count = int(hdet_state.get("loss_count", 0))
+            rt.num_converges = int(hdet_state.get("num_converges", 0))
+            rt.num_rollbacks = int(hdet_state.get("num_rollbacks", 0))
