@@ -76,6 +76,22 @@ class Axis:
             value = getattr(self, bound)
             if value is not None and (not isinstance(value, (int, float)) or math.isnan(value)):
                 raise HDETConfigError(f"Axis({self.name!r}).{bound}={value!r} must be a number or None")
+        if self.name == "attention_temperature" and self.min is not None and self.min <= 0:
+            raise HDETConfigError(
+                f"Axis('attention_temperature').min={self.min}: a temperature <= 0 is invalid; "
+                "use min > 0"
+            )
+        if self.name == "dropout" and (
+            (self.min is not None and self.min < 0) or (self.max is not None and self.max >= 1)
+        ):
+            raise HDETConfigError(
+                f"Axis('dropout') bounds [{self.min}, {self.max}] leave [0, 1); a dropout "
+                "probability must be >= 0 and < 1"
+            )
+        if self.name == "dropout" and self.spread >= 1:
+            raise HDETConfigError(
+                f"Axis('dropout').spread={self.spread} >= 1 leaves [0, 1) for any base value"
+            )
         if self.min is not None and self.max is not None and self.min > self.max:
             raise HDETConfigError(
                 f"Axis({self.name!r}) bounds are inverted: min={self.min} > max={self.max}"

@@ -31,6 +31,7 @@ from hdet_megatron.controller import ControllerUpdate
 from hdet_megatron.megatron import cpu as _cpu  # noqa: F401
 from hdet_megatron.megatron.grad_sync import ArmGradSync
 from hdet_megatron.megatron.layout import ArmLayout, HDETSetupError
+from hdet_megatron.megatron.module_axes import ModuleAxes
 from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
@@ -131,6 +132,7 @@ class HDET:
         self.averager = BucketedAverager(
             self._main_params, group=self.layout.cross_arm_group, bucket_mb=config.bucket_mb
         )
+        self.module_axes = ModuleAxes(self.model, config, self.layout.arm)
         self.grad_sync = ArmGradSync(self.model, self.layout, config.grad_sync, self._distopt)
         self.grad_sync.install()
 
@@ -142,6 +144,13 @@ class HDET:
         self.history: list[WindowMetrics] = []
         self.last_update: Optional[ControllerUpdate] = None
         scheduler.hdet_runtime = self
+        self.on_window_change()
+
+    def on_window_change(self) -> None:
+        """Apply this arm's module-axis values for the scheduler's current window."""
+        self.module_axes.apply(
+            self.scheduler.controller.scales(), self.scheduler.arm_spread_values()
+        )
 
     # -- setup checks ----------------------------------------------------------------------------
     def _check_optimizer(self) -> None:
@@ -228,7 +237,7 @@ class HDET:
             arm_losses,
             arm_values,
             step=self.iteration,
-            base_values={"lr": self.scheduler.base_lr()},
+            base_values={**self.scheduler.base_values(), **self.module_axes.base_values()},
         )
         start = time.perf_counter()
         weight = 0.0 if self.layout.arm in excluded else 1.0
@@ -292,5 +301,8 @@ class HDET:
         self.scheduler.load_hdet_state_dict(state)
 
     def close(self) -> None:
-        """Restore Megatron's own gradient synchronisation."""
+        """Restore Megatron's own gradient synchronisation and the modules' configured values."""
         self.grad_sync.uninstall()
+        self.module_axes.restore()
+        if self.scheduler.hdet_runtime is self:
+            self.scheduler.hdet_runtime = None

@@ -24,8 +24,44 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 logger = logging.getLogger(__name__)
 
-#: Axes this scheduler applies to optimizer param groups.
+#: Axes this scheduler applies to optimizer param groups (``lr:<group>`` too).
 SCHEDULER_AXES = ("lr", "weight_decay")
+#: Axes the HDET runtime applies to live modules.
+MODULE_AXES = ("dropout", "attention_temperature")
+
+#: Built-in names of ``lr:<group>`` axes, matched against Megatron's param-group entries.
+#: (``decoupled``: Megatron's embedding/output group with its own ``max_lr``, see
+#: ``get_standard_config_overrides``.)
+BUILTIN_GROUPS = {
+    "no_wd": lambda g, max_lr: g.get("wd_mult", 1.0) == 0.0,
+    "decoupled": lambda g, max_lr: bool(g.get("is_decoupled_lr", False))
+    or g.get("max_lr", max_lr) != max_lr,
+    "expert": lambda g, max_lr: bool(g.get("is_expert_parallel", False)),
+}
+#: Param-group key a ``config_overrides`` entry can set to name a group (see
+#: :func:`hdet_param_group_overrides`).
+GROUP_KEY = "hdet_group"
+
+
+def group_matches(selector: str, group: dict, max_lr: float) -> bool:
+    """Whether param group ``group`` belongs to ``lr:<selector>`` (``default`` is handled by the
+    caller: the groups no other ``lr:<group>`` axis selects)."""
+    if group.get(GROUP_KEY) is not None:
+        return group[GROUP_KEY] == selector
+    test = BUILTIN_GROUPS.get(selector)
+    return bool(test and test(group, max_lr))
+
+
+def hdet_param_group_overrides(patterns: dict, **override) -> dict:
+    """``config_overrides`` for ``get_megatron_optimizer`` that put params into named groups.
+
+    ``patterns`` maps a group name to a parameter-name glob (or tuple of globs), e.g.
+    ``{"embedding": "*word_embeddings*"}``; the group is then addressable as ``lr:embedding``.
+    Extra keyword arguments (``max_lr=...``, ``wd_mult=...``) are applied to every such group.
+    """
+    from megatron.core.optimizer import ParamKey
+
+    return {ParamKey(name=glob): {GROUP_KEY: name, **override} for name, glob in patterns.items()}
 
 
 class HDETOptimizerParamScheduler(OptimizerParamScheduler):
@@ -50,20 +86,50 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
             hdet = HDETConfig()
         if not isinstance(hdet, HDETConfig):
             raise HDETSetupError(f"hdet must be an HDETConfig, got {type(hdet).__name__}")
-        unsupported = [a.name for a in hdet.axes if a.name not in SCHEDULER_AXES]
-        if unsupported:
-            raise HDETSetupError(
-                f"HDETOptimizerParamScheduler applies axes {SCHEDULER_AXES}; "
-                f"axes {unsupported} are applied by the HDET runtime or are not supported yet"
-            )
         self.hdet_config = hdet
         self.layout = layout if layout is not None else ArmLayout.from_parallel_state(hdet.arms)
         self.controller = AutoController(hdet, self.layout.num_arms)
         self.window = 0
         self._spread = arm_spread(hdet, self.layout.num_arms, 0)
+        self._group_axes: Optional[list] = None
         # Set by HDET (the runtime object) so that its window state travels with this state.
         self.hdet_runtime = None
         super().__init__(optimizer, *args, **kwargs)
+        # Group selection needs the parent's max_lr; the parent's step(0) ran without factors.
+        self._group_axes = self._resolve_group_axes(optimizer)
+        self.step(0)
+
+    def _resolve_group_axes(self, optimizer) -> list[Optional[str]]:
+        """For each param group, the name of the LR axis that scales it (or None)."""
+        group_axes = [a for a in self.hdet_config.axes if a.group is not None]
+        groups = optimizer.param_groups
+        if not group_axes:
+            has_lr = self.hdet_config.axis("lr") is not None
+            return ["lr" if has_lr else None for _ in groups]
+        named = [a for a in group_axes if a.group != "default"]
+        default = next((a for a in group_axes if a.group == "default"), None)
+        resolved: list[Optional[str]] = []
+        for index, group in enumerate(groups):
+            hits = [a.name for a in named if group_matches(a.group, group, self.max_lr)]
+            if len(hits) > 1:
+                raise HDETSetupError(
+                    f"param group {index} is selected by several LR axes {hits}; give each "
+                    "param group at most one lr:<group> axis"
+                )
+            resolved.append(hits[0] if hits else (default.name if default else None))
+        for axis in named:
+            if axis.name not in resolved:
+                known = sorted(
+                    set(BUILTIN_GROUPS)
+                    | {g[GROUP_KEY] for g in groups if g.get(GROUP_KEY) is not None}
+                    | {"default"}
+                )
+                raise HDETSetupError(
+                    f"axis {axis.name!r}: no optimizer param group {axis.group!r}; known groups: "
+                    f"{known} (name groups with hdet_param_group_overrides(...) passed to "
+                    "get_megatron_optimizer(config_overrides=...))"
+                )
+        return resolved
 
     # -- the per-arm factors -------------------------------------------------------------------
     def set_window(self, window: int) -> None:
@@ -72,6 +138,8 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
         self.window = window
         self._spread = arm_spread(self.hdet_config, self.layout.num_arms, window)
         self.step(0)
+        if self.hdet_runtime is not None:
+            self.hdet_runtime.on_window_change()
 
     def arm_spread_values(self) -> dict[str, list[float]]:
         """Per axis, the spread value (multiplier or offset) of every arm in this window."""
@@ -85,8 +153,8 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
         arm = self.layout.arm if arm is None else arm
         return self.controller.scale(axis_name) * self._spread[axis_name][arm]
 
-    def _apply(self, name: str, base: float) -> float:
-        axis = self.hdet_config.axis(name)
+    def _apply(self, name: Optional[str], base: float) -> float:
+        axis = self.hdet_config.axis(name) if name is not None else None
         if axis is None:
             return base
         return arm_axis_value(
@@ -98,17 +166,33 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
         groups = self.optimizer.param_groups
         return self.get_lr(groups[0]) if groups else self.get_lr({})
 
+    def base_values(self) -> dict[str, float]:
+        """Base (un-spread, un-scaled) value of every scheduler axis now (for ``rule="paper"``)."""
+        groups = self.optimizer.param_groups
+        values = {}
+        for axis in self.hdet_config.axes:
+            if axis.name == "weight_decay":
+                values[axis.name] = self.get_wd(groups[0] if groups else None)
+            elif axis.name.startswith("lr"):
+                members = [g for g, a in zip(groups, self._group_axes) if a == axis.name]
+                values[axis.name] = self.get_lr(members[0] if members else {})
+        return values
+
     def step(self, increment: int) -> None:
         """Megatron's step, then this arm's factors on ``lr`` and ``weight_decay``."""
         super().step(increment)
-        if not hasattr(self, "_spread"):
+        if self._group_axes is None:  # inside the parent's __init__
             return
-        for group in self.optimizer.param_groups:
+        if len(self._group_axes) != len(self.optimizer.param_groups):
+            raise HDETSetupError(
+                "the optimizer's param groups changed after the HDET scheduler was built"
+            )
+        for group, lr_axis in zip(self.optimizer.param_groups, self._group_axes):
             lr = group["lr"]
             if isinstance(lr, torch.Tensor):
-                lr.fill_(self._apply("lr", self.get_lr(group)))
+                lr.fill_(self._apply(lr_axis, self.get_lr(group)))
             else:
-                group["lr"] = self._apply("lr", lr)
+                group["lr"] = self._apply(lr_axis, lr)
             group["weight_decay"] = self._apply("weight_decay", group["weight_decay"])
 
     # -- checkpoints ---------------------------------------------------------------------------

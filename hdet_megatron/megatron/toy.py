@@ -141,7 +141,7 @@ def build_model(setup: ToyGPTSetup, ddp_group_kwargs: Optional[dict] = None) -> 
     return [ddp]
 
 
-def build_optimizer(setup: ToyGPTSetup, model: list, **overrides: Any):
+def build_optimizer(setup: ToyGPTSetup, model: list, config_overrides=None, **overrides: Any):
     kwargs = dict(
         optimizer="adam",
         lr=setup.lr,
@@ -155,7 +155,7 @@ def build_optimizer(setup: ToyGPTSetup, model: list, **overrides: Any):
         use_distributed_optimizer=setup.use_distributed_optimizer,
     )
     kwargs.update(overrides)
-    return get_megatron_optimizer(OptimizerConfig(**kwargs), model)
+    return get_megatron_optimizer(OptimizerConfig(**kwargs), model, config_overrides=config_overrides)
 
 
 def synthetic_batches(setup: ToyGPTSetup, seed: int, period: int = 7) -> Iterator[dict]:

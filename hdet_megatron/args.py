@@ -1,0 +1,121 @@
+"""Megatron-LM style ``--hdet-*`` command-line flags for every :class:`HDETConfig` field.
+
+Shared by ``examples/pretrain_gpt`` and the ``megatron.training`` patch, so both accept the same
+flags::
+
+    parser = argparse.ArgumentParser()
+    add_hdet_args(parser)
+    args = parser.parse_args()
+    config = hdet_config_from_args(args)   # None with --no-hdet
+
+Flags: ``--no-hdet``, ``--hdet-period``, ``--hdet-arms``, ``--hdet-grad-sync``,
+``--hdet-axis NAME:SPREAD[:MIN:MAX]`` (repeatable; default ``lr:0.1111``), ``--hdet-spread``
+(shorthand for the LR axis' spread), ``--hdet-spread-kind``, ``--hdet-auto/--no-hdet-auto``,
+``--hdet-auto-start``, ``--hdet-temperature`` (float or ``auto``), ``--hdet-meta-lr``,
+``--hdet-momentum``, ``--hdet-scale-bounds MIN MAX``, ``--hdet-rule``, ``--hdet-seed``,
+``--hdet-bucket-mb``, ``--hdet-converge-on-save/--no-hdet-converge-on-save``,
+``--hdet-nonfinite``, ``--hdet-rollback``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from typing import Optional, Union
+
+from hdet_megatron.config import Axis, HDETConfig, HDETConfigError, parse_axis
+
+_DEFAULT = HDETConfig()
+
+
+def _temperature(text: str) -> Union[float, str]:
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
+
+
+def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the HDET flag group to ``parser`` (Megatron-LM ``extra_args_provider`` compatible)."""
+    g = parser.add_argument_group("hdet", "Hyperparameter-Divergent Ensemble Training")
+    g.add_argument("--no-hdet", dest="hdet", action="store_false",
+                   help="plain Megatron training (no fan-out, no converge, no controller)")
+    g.add_argument("--hdet-period", type=int, default=_DEFAULT.period,
+                   help="converge period T in iterations (default %(default)s)")
+    g.add_argument("--hdet-arms", type=int, default=None,
+                   help="number of arms A (must divide DP; default: one per DP replica)")
+    g.add_argument("--hdet-grad-sync", choices=("global", "arm"), default=_DEFAULT.grad_sync,
+                   help="'global': all-reduce grads over all DP every step (paper); 'arm': only "
+                        "inside an arm during fan-out")
+    g.add_argument("--hdet-axis", action="append", default=None, metavar="NAME:SPREAD[:MIN:MAX]",
+                   help="explored hyperparameter (repeatable): lr, lr:<group>, weight_decay, "
+                        "dropout, attention_temperature; default lr:0.1111")
+    g.add_argument("--hdet-spread", type=float, default=None,
+                   help="spread of the LR axis (shorthand when no --hdet-axis is given)")
+    g.add_argument("--hdet-spread-kind", choices=("linear", "log"), default="linear",
+                   help="linear (paper) or log-symmetric multipliers for multiplicative axes")
+    g.add_argument("--hdet-auto", dest="hdet_auto", action="store_true", default=_DEFAULT.auto,
+                   help="run the auto controller (default)")
+    g.add_argument("--no-hdet-auto", dest="hdet_auto", action="store_false",
+                   help="fan-out and converge only; the base schedule is never moved")
+    g.add_argument("--hdet-auto-start", type=int, default=_DEFAULT.auto_start,
+                   help="iterations before the controller may move")
+    g.add_argument("--hdet-temperature", type=_temperature, default=_DEFAULT.temperature,
+                   help="softmax temperature sigma over arm losses, or 'auto'")
+    g.add_argument("--hdet-meta-lr", type=float, default=_DEFAULT.meta_lr, help="lambda")
+    g.add_argument("--hdet-momentum", type=float, default=_DEFAULT.momentum, help="beta")
+    g.add_argument("--hdet-scale-bounds", type=float, nargs=2, default=list(_DEFAULT.scale_bounds),
+                   metavar=("MIN", "MAX"), help="clamp of the learned scale")
+    g.add_argument("--hdet-rule", choices=("relative", "paper"), default=_DEFAULT.rule)
+    g.add_argument("--hdet-seed", type=int, default=_DEFAULT.seed,
+                   help="seed of the per-window permutations")
+    g.add_argument("--hdet-bucket-mb", type=float, default=_DEFAULT.bucket_mb,
+                   help="converge all-reduce bucket size in MiB")
+    g.add_argument("--hdet-converge-on-save", dest="hdet_converge_on_save", action="store_true",
+                   default=_DEFAULT.converge_on_save, help="converge before saving (default)")
+    g.add_argument("--no-hdet-converge-on-save", dest="hdet_converge_on_save",
+                   action="store_false")
+    g.add_argument("--hdet-nonfinite", choices=("exclude", "raise"), default=_DEFAULT.nonfinite)
+    g.add_argument("--hdet-rollback", action="store_true", default=_DEFAULT.rollback,
+                   help="when every arm is non-finite, restore the last converged state")
+    return parser
+
+
+def hdet_config_from_args(args: argparse.Namespace) -> Optional[HDETConfig]:
+    """The :class:`HDETConfig` the flags describe, or None with ``--no-hdet``.
+
+    Raises :class:`HDETConfigError` (naming the flag's field) for bad values.
+    """
+    if not getattr(args, "hdet", True):
+        return None
+    if args.hdet_axis and args.hdet_spread is not None:
+        raise HDETConfigError(
+            "--hdet-spread and --hdet-axis conflict: give the LR spread inside --hdet-axis lr:SPREAD"
+        )
+    if args.hdet_axis:
+        axes = tuple(parse_axis(text) for text in args.hdet_axis)
+    else:
+        spread = _DEFAULT.axes[0].spread if args.hdet_spread is None else args.hdet_spread
+        axes = (Axis("lr", spread),)
+    if args.hdet_spread_kind != "linear":
+        axes = tuple(a if a.additive else replace(a, kind=args.hdet_spread_kind) for a in axes)
+    return HDETConfig(
+        period=args.hdet_period,
+        arms=args.hdet_arms,
+        grad_sync=args.hdet_grad_sync,
+        axes=axes,
+        auto=args.hdet_auto,
+        auto_start=args.hdet_auto_start,
+        temperature=args.hdet_temperature,
+        meta_lr=args.hdet_meta_lr,
+        momentum=args.hdet_momentum,
+        scale_bounds=tuple(args.hdet_scale_bounds),
+        rule=args.hdet_rule,
+        seed=args.hdet_seed,
+        bucket_mb=args.hdet_bucket_mb,
+        converge_on_save=args.hdet_converge_on_save,
+        nonfinite=args.hdet_nonfinite,
+        rollback=args.hdet_rollback,
+    )
