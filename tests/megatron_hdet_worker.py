@@ -168,11 +168,22 @@ def run(rank: int, world_size: int, sc: Scenario) -> dict:
                 counter.bytes = 0
                 if sc.bf16:
                     # Model params must equal the (averaged) fp32 masters after a converge.
+                    checked = 0
                     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
                         if hasattr(sub, "fp32_from_float16_groups"):
                             for mg, fg in zip(sub.float16_groups, sub.fp32_from_float16_groups):
                                 for m, f in zip(mg, fg):
                                     assert torch.equal(m.detach(), f.detach().to(m.dtype))
+                                    checked += 1
+                        if hasattr(sub, "shard_fp32_from_float16_groups"):
+                            # DistOpt: this rank's shard of each bf16 param equals its fp32 shard.
+                            for mg, sg in zip(sub.model_float16_groups, sub.shard_fp32_from_float16_groups):
+                                for m, f in zip(mg, sg):
+                                    r = sub._get_model_param_range_map(m)["param"]
+                                    shard = m.detach().view(-1)[r.start : r.end]
+                                    assert torch.equal(shard, f.detach().to(m.dtype))
+                                    checked += 1
+                    assert checked > 0, "no fp32 masters found"
         out["window_bytes"] = window_bytes
         out["final_model"] = digest(model_params(model))
         if hdet is not None:

@@ -110,6 +110,7 @@ def test_pp2_dp4_distributed_optimizer_instances():
     scenarios = [
         Scenario(pp=2, arms=2, dist_opt=True, grad_sync="global"),
         Scenario(pp=2, arms=4, dist_opt=True, grad_sync="arm", count_bytes=True),
+        Scenario(pp=2, arms=2, dist_opt=True, bf16=True, grad_sync="global"),
     ]
     worlds = _worlds(8, scenarios)
     for sc, results in zip(scenarios, worlds):
