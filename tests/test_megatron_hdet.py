@@ -124,8 +124,15 @@ def test_neutral_hdet_is_bit_identical_and_bf16_masters():
         Scenario(tp=2, spread=0.0, auto=False, hdet=True, period=2, steps=6),
         Scenario(tp=2, hdet=False, steps=6),
         Scenario(tp=2, bf16=True, steps=6),
+        Scenario(tp=2, steps=6, data_seed=3),
+        Scenario(tp=2, steps=6, data_seed=3),
     ]
-    neutral, plain, bf16 = _worlds(4, scenarios)
+    neutral, plain, bf16, first, second = _worlds(4, scenarios)
+    # Determinism: two identical HDET runs give bit-identical losses, params and controller.
+    for a, b in zip(first, second):
+        assert a["losses"] == b["losses"] and a["history"] == b["history"]
+        assert a["final_model"] == b["final_model"]
+        assert a["history"][0]["scales"]["lr"] != 1.0  # the controller really moved
     for a, b in zip(neutral, plain):
         assert a["losses"] == b["losses"]
         assert a["final_model"] == b["final_model"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from hdet_megatron.averaging import BucketedAverager
 from hdet_megatron.config import HDETConfig
-from hdet_megatron.controller import ControllerUpdate
+from hdet_megatron.controller import AllArmsNonFinite, ControllerUpdate
 from hdet_megatron.megatron import cpu as _cpu  # noqa: F401
 from hdet_megatron.megatron.grad_sync import ArmGradSync
 from hdet_megatron.megatron.layout import ArmLayout, HDETSetupError
@@ -68,6 +69,8 @@ class WindowMetrics:
     """Bytes this rank all-reduced for the average."""
     forced: bool = False
     """Converge requested by :meth:`HDET.converge` (e.g. before a checkpoint save)."""
+    rolled_back: bool = False
+    """Every arm diverged and the last converged state was restored (``rollback=True``)."""
 
 
 def _sub_optimizers(optimizer) -> list:
@@ -90,6 +93,52 @@ def main_params(optimizer) -> list[torch.Tensor]:
     return tensors
 
 
+@torch.no_grad()
+def _sanitize_optimizer_state(optimizer) -> None:
+    """Zero non-finite optimizer-state entries (Adam moments of a diverged arm), in place.
+
+    The averaged params replace a diverged arm's params, but its moments would turn them
+    non-finite again on the next step.
+    """
+    for sub in _sub_optimizers(optimizer):
+        inner = getattr(sub, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    torch.nan_to_num_(value, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+class RollbackStore:
+    """The last converged main params, in host memory or on disk (one file per rank)."""
+
+    def __init__(self, tensors: list[torch.Tensor], directory: Optional[str]) -> None:
+        self.tensors = tensors
+        self.directory = directory
+        self._host: Optional[list[torch.Tensor]] = None
+        if directory is not None:
+            os.makedirs(directory, exist_ok=True)
+            self.path = os.path.join(directory, f"hdet-rollback-rank{dist.get_rank()}.pt")
+        self.save()
+
+    @torch.no_grad()
+    def save(self) -> None:
+        if self.directory is None:
+            if self._host is None:
+                self._host = [torch.empty_like(t, device="cpu") for t in self.tensors]
+            for dst, src in zip(self._host, self.tensors):
+                dst.copy_(src)
+        else:
+            tmp = self.path + ".tmp"
+            torch.save([t.detach().cpu() for t in self.tensors], tmp)
+            os.replace(tmp, self.path)  # never leave a half-written snapshot
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        saved = self._host if self.directory is None else torch.load(self.path)
+        for dst, src in zip(self.tensors, saved):
+            dst.copy_(src)
+
+
 class HDET:
     """Hyperparameter-Divergent Ensemble Training on Megatron-Core.
 
@@ -100,6 +149,8 @@ class HDET:
         scheduler: an :class:`HDETOptimizerParamScheduler` over ``optimizer``.
         pg_collection: optional ``ProcessGroupCollection`` (else ``parallel_state``).
         loss_keys: keys looked up in each microbatch's loss dict.
+        rollback_dir: with ``config.rollback``, where the last converged main params are kept:
+            None = host memory, else a directory (one file per rank).
     """
 
     def __init__(
@@ -110,6 +161,7 @@ class HDET:
         scheduler: HDETOptimizerParamScheduler,
         pg_collection=None,
         loss_keys: Sequence[str] = DEFAULT_LOSS_KEYS,
+        rollback_dir: Optional[str] = None,
     ) -> None:
         if not isinstance(scheduler, HDETOptimizerParamScheduler):
             raise HDETSetupError(
@@ -138,7 +190,10 @@ class HDET:
 
         device = self._main_params[0].device if self._main_params else torch.device("cpu")
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self._loss_reduce = torch.zeros(2 * self.layout.num_arms, dtype=torch.float64, device=device)
+        # [window loss per arm | reporting replicas per arm | ranks with non-finite params per arm]
+        self._loss_reduce = torch.zeros(3 * self.layout.num_arms, dtype=torch.float64, device=device)
+        self.rollback = RollbackStore(self._main_params, rollback_dir) if config.rollback else None
+        self.rollbacks = 0
         self.iteration = 0
         self.steps_in_window = 0
         self.history: list[WindowMetrics] = []
@@ -217,32 +272,51 @@ class HDET:
         return self._end_window(forced=True)
 
     # -- the converge ---------------------------------------------------------------------------
-    def _reduce_arm_losses(self) -> list[float]:
+    def _reduce_arm_losses(self) -> tuple[list[float], list[bool]]:
+        """Per arm: mean window loss, and whether any of its ranks holds non-finite params."""
+        a = self.layout.num_arms
         buf = self._loss_reduce
         buf.zero_()
         if self.layout.is_loss_reporter:
             buf[self.layout.arm] = self._loss_sum / self.steps_in_window
-            buf[self.layout.num_arms + self.layout.arm] = 1.0
+            buf[a + self.layout.arm] = 1.0
+        # Every rank checks its own (shard of the) main params; device-side, no extra sync.
+        finite = torch.stack([torch.isfinite(p).all() for p in self._main_params]).all()
+        buf[2 * a + self.layout.arm] = (~finite).to(buf.dtype)
         dist.all_reduce(buf, group=self.layout.loss_group)
-        sums, counts = buf.tolist()[: self.layout.num_arms], buf.tolist()[self.layout.num_arms :]
-        return [s / c if c > 0 else math.nan for s, c in zip(sums, counts)]
+        values = buf.tolist()
+        sums, counts, bad = values[:a], values[a : 2 * a], values[2 * a :]
+        losses = [s / c if c > 0 else math.nan for s, c in zip(sums, counts)]
+        return losses, [b > 0 for b in bad]
 
     def _end_window(self, forced: bool) -> WindowMetrics:
         self._check_param_groups_unchanged()
-        arm_losses = self._reduce_arm_losses()  # the one host sync of the window
+        arm_losses, bad_params = self._reduce_arm_losses()  # the one host sync of the window
+        # An arm whose parameters blew up is as bad as an infinite loss, whatever it reported.
+        arm_losses = [math.inf if bad else loss for loss, bad in zip(arm_losses, bad_params)]
         excluded = [a for a, loss in enumerate(arm_losses) if not math.isfinite(loss)]
         arm_values = self.scheduler.arm_spread_values()
-        # Raises AllArmsNonFinite / NonFiniteArm (on every rank alike) before anything changes.
-        update = self.scheduler.controller.update(
-            arm_losses,
-            arm_values,
-            step=self.iteration,
-            base_values={**self.scheduler.base_values(), **self.module_axes.base_values()},
-        )
+        try:
+            # Raises AllArmsNonFinite / NonFiniteArm (on every rank alike) before anything
+            # changes, so with nonfinite="raise" nothing diverged is ever averaged or saved.
+            update = self.scheduler.controller.update(
+                arm_losses,
+                arm_values,
+                step=self.iteration,
+                base_values={**self.scheduler.base_values(), **self.module_axes.base_values()},
+            )
+        except AllArmsNonFinite:
+            if self.rollback is None:
+                raise
+            return self._roll_back(arm_losses, arm_values, forced)
         start = time.perf_counter()
         weight = 0.0 if self.layout.arm in excluded else 1.0
         stats = self.averager.average(weights=weight)
         self._refresh_model_params()
+        if self.layout.arm in excluded:
+            _sanitize_optimizer_state(self.optimizer)
+        if self.rollback is not None:
+            self.rollback.save()
         converge_seconds = time.perf_counter() - start
         metrics = WindowMetrics(
             window=self.scheduler.window,
@@ -251,7 +325,7 @@ class HDET:
             arm_losses=arm_losses,
             arm_values=arm_values,
             excluded=excluded,
-            update=update.to_dict(),
+            update=update.to_dict() if update is not None else None,
             scales=dict(self.scheduler.controller.scales()),
             converge_seconds=converge_seconds,
             converge_bytes=stats.bytes,
@@ -263,6 +337,46 @@ class HDET:
         self.steps_in_window = 0
         self.scheduler.set_window(self.scheduler.window + 1)
         return metrics
+
+    def _roll_back(self, arm_losses, arm_values, forced: bool) -> WindowMetrics:
+        """Every arm diverged: restore the last converged params and halve the scale."""
+        start = time.perf_counter()
+        self.rollback.restore()
+        self._refresh_model_params()
+        _sanitize_optimizer_state(self.optimizer)
+        self.scheduler.controller.cut_scale(0.5)
+        self.rollbacks += 1
+        logger.warning(
+            "HDET: every arm diverged in window %d (losses %s); restored the last converged "
+            "parameters and cut the scale to %s",
+            self.scheduler.window, arm_losses, self.scheduler.controller.scales(),
+        )
+        metrics = WindowMetrics(
+            window=self.scheduler.window,
+            iteration=self.iteration,
+            steps=self.steps_in_window,
+            arm_losses=arm_losses,
+            arm_values=arm_values,
+            excluded=list(range(len(arm_losses))),
+            update=None,
+            scales=dict(self.scheduler.controller.scales()),
+            converge_seconds=time.perf_counter() - start,
+            converge_bytes=0,
+            forced=forced,
+            rolled_back=True,
+        )
+        self.history.append(metrics)
+        self._loss_sum.zero_()
+        self.steps_in_window = 0
+        self.scheduler.set_window(self.scheduler.window + 1)
+        return metrics
+
+    @property
+    def replicas_identical(self) -> bool:
+        """True right after a converge (and before the first step of a window): only then are
+        all DP replicas bit-identical, so only then does a cross-DP weight-hash check hold
+        (Megatron's ``check_param_hashes_across_dp_replicas``)."""
+        return self.steps_in_window == 0
 
     @torch.no_grad()
     def _refresh_model_params(self) -> None:

@@ -1,0 +1,133 @@
+"""Reliability on real Megatron worlds: a diverging arm, all arms diverging, determinism."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.harness import run_world
+
+pytestmark = pytest.mark.slow
+
+
+def _diverge_world(rank, world_size, case, rollback_dir=None):
+    import torch
+    import torch.distributed as dist
+
+    from hdet_megatron.config import Axis, HDETConfig
+    from hdet_megatron.controller import AllArmsNonFinite, NonFiniteArm
+    from hdet_megatron.megatron import toy
+    from hdet_megatron.megatron.runtime import HDET, main_params
+    from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+    from tests.megatron_hdet_worker import digest
+
+    grad_sync = "arm" if case in ("arm_mid_window", "raise") else "global"
+    config = HDETConfig(
+        period=4,
+        arms=2,
+        grad_sync=grad_sync,
+        axes=(Axis("lr", 0.5),),
+        temperature=0.05,
+        nonfinite="raise" if case == "raise" else "exclude",
+        rollback=case in ("rollback_memory", "rollback_disk"),
+    )
+    setup = toy.ToyGPTSetup(tp=2)
+    out: dict = {"losses": [], "events": []}
+    with toy.parallel(setup):
+        model = toy.build_model(setup)
+        optimizer = toy.build_optimizer(setup, model)
+        scheduler = HDETOptimizerParamScheduler(optimizer, hdet=config, **toy.scheduler_kwargs(setup, 40, warmup=0))
+        hdet = HDET(config, model, optimizer, scheduler, rollback_dir=rollback_dir)
+        data = toy.data_iterator_for_rank(setup)
+        arm = hdet.layout.arm
+        spread = scheduler.arm_spread_values()["lr"]
+        victim = max(range(2), key=lambda a: spread[a])  # the high-LR arm blows up
+        out["victim"], out["arm"] = victim, arm
+
+        def poison():
+            with torch.no_grad():
+                for p in main_params(optimizer)[:3]:
+                    p.fill_(float("nan"))
+                for chunk in model:
+                    for p in list(chunk.parameters())[:3]:
+                        p.data.fill_(float("nan"))
+
+        converged_digest = digest(main_params(optimizer))
+        for step in range(12):
+            inject = (
+                (case == "arm_mid_window" and step == 1 and arm == victim)
+                or (case == "raise" and step == 1 and arm == victim)
+                or (case == "global_window_end" and step == 3 and arm == victim)
+                or (case.startswith("rollback") and step == 6)
+            )
+            if inject and case != "global_window_end":
+                poison()
+            losses, _ = toy.train_step(setup, model, optimizer, data)
+            scheduler.step(1)
+            if inject and case == "global_window_end":
+                poison()  # after the step: params blown up, this window's losses were finite
+            out["losses"].append(float(torch.stack([o["lm loss"] for o in losses]).mean()))
+            try:
+                metrics = hdet.step(losses)
+            except (NonFiniteArm, AllArmsNonFinite) as exc:
+                out["error"] = f"{type(exc).__name__}: {exc}"
+                out["params_untouched"] = not all(
+                    torch.isfinite(p).all() for p in main_params(optimizer)
+                ) if arm == victim else True
+                return out
+            if metrics is not None:
+                finite = all(bool(torch.isfinite(p).all()) for p in main_params(optimizer))
+                digests = [None] * world_size
+                dist.all_gather_object(digests, digest(main_params(optimizer)))
+                out["events"].append(
+                    {
+                        "step": step,
+                        "excluded": metrics.excluded,
+                        "scale": metrics.scales["lr"],
+                        "rolled_back": metrics.rolled_back,
+                        "finite": finite,
+                        "cross_identical": digests[rank] == digests[(rank + 2) % 4],
+                        "restored_previous": digest(main_params(optimizer)) == converged_digest,
+                    }
+                )
+                converged_digest = digest(main_params(optimizer))
+        hdet.close()
+    return out
+
+
+@pytest.mark.parametrize("case", ["arm_mid_window", "global_window_end"])
+def test_diverging_arm_is_excluded_and_training_continues(case):
+    results = run_world(4, _diverge_world, case, timeout=300)
+    for r in results:
+        events = r["events"]
+        assert events[0]["excluded"] == [r["victim"]]
+        assert events[0]["finite"] and events[0]["cross_identical"]
+        assert events[0]["scale"] < 1.0  # moved away from the arm that blew up
+        assert all(e["excluded"] == [] and e["finite"] for e in events[1:])
+        assert all(math.isfinite(x) for x in r["losses"][4:])  # training continues
+
+
+def test_nonfinite_raise_stops_before_anything_changes():
+    results = run_world(4, _diverge_world, "raise", timeout=300)
+    for r in results:
+        assert r["error"].startswith("NonFiniteArm") and f"{r['victim']}" in r["error"]
+        assert len(r["losses"]) == 4  # stopped at the first converge
+
+
+def test_all_arms_nonfinite_raise_or_roll_back(tmp_path):
+    results = run_world(4, _diverge_world, "rollback_off", timeout=300)
+    for r in results:
+        assert r["error"].startswith("AllArmsNonFinite")
+    results = run_world(4, _diverge_world, "rollback_memory", timeout=300)
+    for r in results:
+        ev = r["events"]
+        assert [e["rolled_back"] for e in ev] == [False, True, False]
+        assert ev[1]["restored_previous"] and ev[1]["finite"]
+        assert ev[1]["scale"] == pytest.approx(ev[0]["scale"] * 0.5)
+        assert all(math.isfinite(x) for x in r["losses"][8:])
+    disk = run_world(4, _diverge_world, "rollback_disk", str(tmp_path), timeout=300)
+    assert [e["rolled_back"] for e in disk[0]["events"]] == [False, True, False]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"hdet-rollback-rank{i}.pt" for i in range(4)
+    ]
