@@ -206,6 +206,10 @@ def bad_setups(rank: int, world_size: int) -> dict[str, str]:
         else:
             messages[name] = "<no error>"
 
+    from hdet_megatron.megatron.layout import ArmLayout
+
+    ps.destroy_model_parallel()
+    expect("parallel_state_not_initialized", lambda: ArmLayout.from_parallel_state())
     setup = toy.ToyGPTSetup(tp=2)
     with toy.parallel(setup):
         model = toy.build_model(setup)
@@ -223,6 +227,13 @@ def bad_setups(rank: int, world_size: int) -> dict[str, str]:
         )
         hdet = HDET(config, model, optimizer, scheduler)
         expect("no_losses_on_last_stage", lambda: hdet.step([]))
+        expect("loss_key_missing", lambda: hdet.step([{"my loss": torch.tensor(1.0)}]))
+        arm_config = HDETConfig(period=2, grad_sync="arm")
+        arm_sched = HDETOptimizerParamScheduler(optimizer, hdet=arm_config, **kwargs)
+        expect(
+            "arm_sync_without_megatron_ddp",
+            lambda: HDET(arm_config, [model[0].module], optimizer, arm_sched),
+        )
         # Param groups changed after HDET was built: detected at the next converge.
         optimizer.param_groups[0]["params"].append(torch.nn.Parameter(torch.zeros(3)))
         data = toy.data_iterator_for_rank(setup)

@@ -147,6 +147,9 @@ def test_bad_setups_get_clear_errors():
         assert "needs an HDETOptimizerParamScheduler" in m["plain_scheduler"]
         assert "num_distributed_optimizer_instances=2" in m["distopt_instances"]
         assert "param groups changed" in m["param_groups_changed"]
+        assert "initialize_model_parallel" in m["parallel_state_not_initialized"]
+        assert "no loss key" in m["loss_key_missing"] and "loss_keys=" in m["loss_key_missing"]
+        assert "needs Megatron DistributedDataParallel" in m["arm_sync_without_megatron_ddp"]
     last_stage = [m for m in messages]  # PP=1: every rank is on the last stage
     for m in last_stage:
         assert "got no losses on the last pipeline stage" in m["no_losses_on_last_stage"]
