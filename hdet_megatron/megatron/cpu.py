@@ -93,6 +93,12 @@ _TYPE_CHECKS = (
 )
 
 SOURCE_REWRITES: tuple[SourceRewrite, ...] = (
+    # Megatron's cross-DP weight-hash check gathers the hashes on the GPU.
+    SourceRewrite(
+        "megatron.core.utils",
+        "check_param_hashes_across_dp_replicas",
+        (("torch.stack(local_param_hashes).cuda()", "torch.stack(local_param_hashes)"),),
+    ),
     # Causal mask of the unfused softmax (local attention path).
     SourceRewrite("megatron.core.transformer.utils", "get_default_causal_mask", _CUDA_DEVICE[1:]),
     SourceRewrite("megatron.core.utils", "local_multi_tensor_l2_norm", _CUDA_DEVICE[1:]),
@@ -191,12 +197,24 @@ SOURCE_REWRITES: tuple[SourceRewrite, ...] = (
         "DistributedOptimizer.load_state_dict",
         _CURRENT_DEVICE,
     ),
+    # dist_checkpointing (torch_dist) save: device-to-host staging ends with a CUDA sync.
+    SourceRewrite(
+        "megatron.core.dist_checkpointing.strategies.filesystem_async",
+        "FileSystemWriterAsync.preload_tensors",
+        _SYNC,
+    ),
+    SourceRewrite(
+        "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+        "save_state_dict_async_finalize",
+        _CURRENT_DEVICE,
+    ),
 )
 
 
 @dataclass
 class _ShimState:
     applied: bool = False
+    training_applied: bool = False
     rewritten: dict[str, Callable] = field(default_factory=dict)
     """qualified name -> the original upstream function (kept so tests can compare)."""
 
@@ -361,3 +379,94 @@ def shims_applied() -> bool:
 def original_function(qualified_name: str) -> Callable:
     """The upstream function a shim replaced (for tests)."""
     return _STATE.rewritten[qualified_name]
+
+
+# -- megatron.training (Megatron-LM's own loop) ---------------------------------------------------
+# ``megatron/training/`` ships inside the megatron-core 0.19.2 wheel. On top of the megatron.core
+# shims above its loop (``pretrain``) needs the following; each is proven necessary by
+# ``tests/test_training_shims.py``:
+#
+# * E. ``typing.override`` (Python 3.12+) is imported by ``megatron/training/models/gpt.py`` and
+#   ``hybrid.py``: on Python 3.11 it is aliased to ``typing_extensions.override``.
+# * F-K. source rewrites (:data:`TRAINING_SOURCE_REWRITES`), same mechanism as C/D.
+
+TRAINING_SOURCE_REWRITES: tuple[SourceRewrite, ...] = (
+    # F. validate_args (TP > 1) and others read the GPU architecture.
+    SourceRewrite(
+        "megatron.training.utils.common_utils",
+        "get_device_arch_version",
+        (('torch.cuda.get_device_properties(torch.device("cuda:0")).major', "0"),),
+    ),
+    # G. pretrain() cannot pass allow_no_cuda=True.
+    SourceRewrite(
+        "megatron.training.initialize",
+        "initialize_megatron",
+        (('assert torch.cuda.is_available(), "Megatron requires CUDA."', "pass"),),
+    ),
+    # H. with torch.cuda.device_count() == 0 initialize_model_parallel is silently skipped (the
+    # run then fails later: "pipeline_model parallel group is not initialized"). device_count
+    # stays 0, so torch.cuda.set_device is never called.
+    SourceRewrite(
+        "megatron.training.initialize",
+        "_initialize_distributed",
+        (("if device_count > 0 and not skip_model_parallel_init:", "if not skip_model_parallel_init:"),),
+    ),
+    # I. ...and the model-parallel RNG tracker would never be seeded (routed to the CPU generator
+    # by shim B).
+    SourceRewrite(
+        "megatron.training.initialize",
+        "_set_random_seed",
+        (("if torch.cuda.device_count() > 0:", "if True:"),),
+    ),
+    # J/K. checkpoints save and restore the CUDA generator's state; the CPU generator's state
+    # takes its place (the checkpoint keeps the same structure).
+    SourceRewrite(
+        "megatron.training.checkpointing",
+        "get_rng_state",
+        (("torch.cuda.get_rng_state()", "torch.get_rng_state()"),),
+    ),
+    SourceRewrite(
+        "megatron.training.checkpointing",
+        "load_checkpoint",
+        (
+            ("torch.cuda.set_rng_state(rng_state['cuda_rng_state'])", "None"),
+            ("torch.cuda.set_rng_state(state_dict['cuda_rng_state'])", "None"),
+        ),
+    ),
+)
+
+
+def install_typing_override() -> bool:
+    """Shim E: ``typing.override`` for Python < 3.12. Returns True when it was missing."""
+    import typing
+
+    if hasattr(typing, "override"):
+        return False
+    import typing_extensions
+
+    typing.override = typing_extensions.override
+    return True
+
+
+def apply_training_cpu_shims(force: bool = False) -> bool:
+    """Make ``megatron.training`` (the wheel's Megatron-LM loop) usable without CUDA. Idempotent.
+
+    Applies :func:`apply_cpu_shims` first. Call it before ``import megatron.training``
+    (``typing.override``); the rewrites import the ``megatron.training`` modules they patch.
+    Returns False (and does nothing) when CUDA is available, unless ``force``.
+    """
+    if _STATE.training_applied:
+        return True
+    if cuda_available() and not force:
+        return False
+    apply_cpu_shims(force=force)
+    install_typing_override()
+    for rewrite in TRAINING_SOURCE_REWRITES:
+        original, _ = _compile_rewrite(rewrite)
+        _STATE.rewritten[f"{rewrite.module}.{rewrite.qualname}"] = original
+    _STATE.training_applied = True
+    return True
+
+
+def training_shims_applied() -> bool:
+    return _STATE.training_applied

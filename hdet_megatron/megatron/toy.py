@@ -60,6 +60,8 @@ class ToyGPTSetup:
     """Model-parallel seed (weights are identical across DP ranks)."""
     bf16: bool = False
     """bf16 params with fp32 main params (Megatron's Float16Module + mixed precision optimizer)."""
+    fp16: bool = False
+    """fp16 params with fp32 main params and Megatron's dynamic loss scaler."""
     use_distributed_optimizer: bool = False
     """Megatron's distributed optimizer (ZeRO-1)."""
     num_distributed_optimizer_instances: int = 1
@@ -93,6 +95,10 @@ def destroy_parallel() -> None:
     parallel_state.destroy_model_parallel()
 
 
+def _dtype(setup: ToyGPTSetup) -> torch.dtype:
+    return torch.bfloat16 if setup.bf16 else torch.float16 if setup.fp16 else torch.float32
+
+
 def transformer_config(setup: ToyGPTSetup) -> TransformerConfig:
     return TransformerConfig(
         num_layers=setup.num_layers,
@@ -101,9 +107,10 @@ def transformer_config(setup: ToyGPTSetup) -> TransformerConfig:
         use_cpu_initialization=True,
         tensor_model_parallel_size=setup.tp,
         pipeline_model_parallel_size=setup.pp,
-        pipeline_dtype=torch.bfloat16 if setup.bf16 else torch.float32,
+        pipeline_dtype=_dtype(setup),
         bf16=setup.bf16,
-        params_dtype=torch.bfloat16 if setup.bf16 else torch.float32,
+        fp16=setup.fp16,
+        params_dtype=_dtype(setup),
         hidden_dropout=setup.hidden_dropout,
         attention_dropout=setup.attention_dropout,
         gradient_accumulation_fusion=False,
@@ -125,7 +132,7 @@ def build_model(setup: ToyGPTSetup, ddp_group_kwargs: Optional[dict] = None) -> 
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
     )
-    if setup.bf16:
+    if setup.bf16 or setup.fp16:
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
@@ -151,7 +158,8 @@ def build_optimizer(setup: ToyGPTSetup, model: list, config_overrides=None, **ov
         adam_beta2=0.95,
         clip_grad=1.0,
         bf16=setup.bf16,
-        params_dtype=torch.bfloat16 if setup.bf16 else torch.float32,
+        fp16=setup.fp16,
+        params_dtype=_dtype(setup),
         use_distributed_optimizer=setup.use_distributed_optimizer,
     )
     kwargs.update(overrides)
