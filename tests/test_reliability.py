@@ -191,3 +191,36 @@ def test_megatron_guards_skipped_step_and_weight_hash():
         # The cross-DP weight-hash check holds exactly when HDET says replicas are identical.
         assert r["identical"] == r["windows"]
         assert r["hash_ok"] == r["identical"]
+
+
+def _sync_world(rank, world_size):
+    from hdet_megatron.config import HDETConfig
+    from hdet_megatron.megatron import toy
+    from hdet_megatron.megatron.runtime import HDET
+    from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+    from hdet_megatron.megatron.sync_counter import HostSyncCounter
+
+    config = HDETConfig(period=3)
+    setup = toy.ToyGPTSetup(tp=2)
+    per_step = []
+    with toy.parallel(setup):
+        model = toy.build_model(setup)
+        optimizer = toy.build_optimizer(setup, model)
+        scheduler = HDETOptimizerParamScheduler(optimizer, hdet=config, **toy.scheduler_kwargs(setup, 20))
+        hdet = HDET(config, model, optimizer, scheduler)
+        data = toy.data_iterator_for_rank(setup)
+        for _ in range(6):
+            losses, _ = toy.train_step(setup, model, optimizer, data)
+            with HostSyncCounter() as counter:
+                scheduler.step(1)
+                metrics = hdet.step(losses)
+            per_step.append((metrics is not None, counter.total, dict(counter.counts)))
+        hdet.close()
+    return per_step
+
+
+def test_no_host_sync_on_non_converge_steps():
+    for per_step in run_world(4, _sync_world, timeout=200):
+        assert [c for conv, c, _ in per_step if not conv] == [0, 0, 0, 0]
+        # The converge reads the arm losses once (the counter does see real syncs).
+        assert all(c >= 1 for conv, c, _ in per_step if conv)
