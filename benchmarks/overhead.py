@@ -1,0 +1,122 @@
+"""Step overhead of HDET on a real Megatron-Core training step, A/B interleaved in one run.
+
+    .venv/bin/torchrun --standalone --nproc-per-node 4 benchmarks/overhead.py --out benchmarks/results
+
+Two identical Megatron GPT setups (TP2 x DP2 here) train side by side in the same processes:
+``plain`` (Megatron's ``OptimizerParamScheduler``, no HDET) and ``hdet`` (the drop-in scheduler
+plus ``HDET.step`` with a period longer than the run, so every measured step is a non-converge
+step). Blocks of ``--block`` steps alternate A, B, A, B, ...; each step is timed (slowest rank)
+and we report the median per-step time of each and their ratio. Then the converge itself is
+timed ``--converges`` times (``HDET.converge`` after one step) and amortised over T = 100 and
+T = 1000 steps. Host syncs made from hdet_megatron per non-converge step are counted with
+:class:`~hdet_megatron.megatron.sync_counter.HostSyncCounter`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--block", type=int, default=5)
+    p.add_argument("--converges", type=int, default=7)
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    from hdet_megatron.config import HDETConfig
+    from hdet_megatron.megatron import toy
+    from hdet_megatron.megatron.runtime import HDET
+    from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+    from hdet_megatron.megatron.sync_counter import HostSyncCounter
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    setup = toy.ToyGPTSetup(
+        tp=args.tp, num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
+        vocab_size=512, seq_length=args.seq, micro_batch_size=4, num_microbatches=2,
+    )
+    total = args.blocks * args.block * 2 + args.converges + 10
+    toy.init_parallel(setup)
+    runs = {}
+    for name in ("plain", "hdet"):
+        model = toy.build_model(setup)
+        optimizer = toy.build_optimizer(setup, model)
+        kwargs = toy.scheduler_kwargs(setup, total)
+        if name == "plain":
+            scheduler, hdet = OptimizerParamScheduler(optimizer, **kwargs), None
+        else:
+            config = HDETConfig(period=10**9)  # only forced converges below
+            scheduler = HDETOptimizerParamScheduler(optimizer, hdet=config, **kwargs)
+            hdet = HDET(config, model, optimizer, scheduler)
+        runs[name] = (model, optimizer, scheduler, hdet, toy.data_iterator_for_rank(setup))
+
+    def step(name):
+        model, optimizer, scheduler, hdet, data = runs[name]
+        dist.barrier()
+        start = time.perf_counter()
+        losses, _ = toy.train_step(setup, model, optimizer, data)
+        scheduler.step(1)
+        if hdet is not None:
+            hdet.step(losses)
+        elapsed = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed)
+
+    for name in runs:  # warm-up
+        step(name)
+    times = {"plain": [], "hdet": []}
+    for _ in range(args.blocks):
+        for name in ("plain", "hdet"):
+            times[name].extend(step(name) for _ in range(args.block))
+    with HostSyncCounter() as counter:
+        step("hdet")
+    syncs = counter.total
+    hdet = runs["hdet"][3]
+    converge_s = []
+    for _ in range(args.converges):
+        step("hdet")
+        dist.barrier()
+        start = time.perf_counter()
+        hdet.converge()
+        t = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        converge_s.append(float(t))
+    if dist.get_rank() == 0:
+        plain, with_hdet = statistics.median(times["plain"]), statistics.median(times["hdet"])
+        conv = statistics.median(converge_s)
+        result = {
+            "setup": f"TP{args.tp} x DP{dist.get_world_size() // args.tp}, {args.layers} layers, "
+                     f"hidden {args.hidden}, seq {args.seq}, mbs 4 x 2 microbatches",
+            "steps_per_arm": len(times["plain"]),
+            "median_step_plain_s": plain,
+            "median_step_hdet_s": with_hdet,
+            "step_overhead": with_hdet / plain - 1,
+            "median_converge_s": conv,
+            "converge_bytes": hdet.averager.nbytes,
+            "amortized_T100": conv / (100 * plain),
+            "amortized_T1000": conv / (1000 * plain),
+            "host_syncs_per_non_converge_step": syncs,
+        }
+        for k, v in result.items():
+            print(f"{k:34s} {v}")
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "overhead.json"), "w") as f:
+            json.dump(result, f, indent=2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
