@@ -65,24 +65,7 @@ class _Runtime:
 
     def __init__(self, config: HDETConfig, optimizer, model, process_group) -> None:
         self.config = config
-        if dist.is_available() and dist.is_initialized():
-            self.group = process_group
-            self.size = dist.get_world_size(process_group)
-            self.rank = dist.get_rank(process_group)
-            if self.rank < 0:
-                raise ValueError("this rank is not a member of the process_group given to HDETOneCycleLR")
-        else:
-            if process_group is not None:
-                raise ValueError("process_group given but torch.distributed is not initialized")
-            self.group, self.size, self.rank = None, 1, 0
-        self.num_arms = config.arms if config.arms is not None else self.size
-        if self.size % self.num_arms:
-            raise ValueError(
-                f"HDETConfig.arms={self.num_arms} must divide the number of data-parallel ranks "
-                f"({self.size}); use a divisor of {self.size} or arms=None (one arm per rank)"
-            )
-        self.ranks_per_arm = self.size // self.num_arms
-        self.arm = self.rank // self.ranks_per_arm
+        self._init_topology(process_group)
 
         # Which axis drives the LR of each param group.
         self.group_axes: list[Optional[Any]] = []
@@ -112,15 +95,7 @@ class _Runtime:
                 )
 
         self.controller = AutoController(config, self.num_arms)
-        if model is not None:
-            params = list(model.parameters())
-        else:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.params = list({id(p): p for p in params}.values())
-        self.device = self.params[0].device if self.params else torch.device("cpu")
-        self.averager: Optional[BucketedAverager] = None
-        if self.size > 1:
-            self.averager = BucketedAverager(self.params, group=self.group, bucket_mb=config.bucket_mb)
+        self._init_params(optimizer, model)
         acc_dtype = torch.float32 if self.device.type == "mps" else torch.float64
         self.loss_sum = torch.zeros((), dtype=acc_dtype, device=self.device)
         self.host_loss_sum = 0.0
@@ -134,6 +109,44 @@ class _Runtime:
         self.last_base_lrs: list[float] = []
         self.num_converges = 0
         self.num_rollbacks = 0
+
+    def _init_topology(self, process_group) -> None:
+        """Set ``group``/``size``/``rank`` (the loss-reduction group) and ``num_arms``/``arm``.
+        Overridden by :class:`hdet_megatron.fsdp.FSDPRuntime` (arms = HSDP replicate dim)."""
+        if dist.is_available() and dist.is_initialized():
+            self.group = process_group
+            self.size = dist.get_world_size(process_group)
+            self.rank = dist.get_rank(process_group)
+            if self.rank < 0:
+                raise ValueError("this rank is not a member of the process_group given to HDETOneCycleLR")
+        else:
+            if process_group is not None:
+                raise ValueError("process_group given but torch.distributed is not initialized")
+            self.group, self.size, self.rank = None, 1, 0
+        self.num_arms = self.config.arms if self.config.arms is not None else self.size
+        if self.size % self.num_arms:
+            raise ValueError(
+                f"HDETConfig.arms={self.num_arms} must divide the number of data-parallel ranks "
+                f"({self.size}); use a divisor of {self.size} or arms=None (one arm per rank)"
+            )
+        self.ranks_per_arm = self.size // self.num_arms
+        self.arm = self.rank // self.ranks_per_arm
+
+    def _init_params(self, optimizer, model) -> None:
+        """Set ``params`` (the tensors converge averages), ``device`` and ``averager``.
+        Overridden by :class:`hdet_megatron.fsdp.FSDPRuntime` (local DTensor shards)."""
+        if model is not None:
+            params = list(model.parameters())
+        else:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.params = list({id(p): p for p in params}.values())
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.averager: Optional[BucketedAverager] = None
+        if self.size > 1:
+            self.averager = BucketedAverager(self.params, group=self.group, bucket_mb=self.config.bucket_mb)
+
+    def close(self) -> None:
+        """Undo changes made to the model (nothing here; FSDP2 restores its gradient sync)."""
 
     # -- spread ---------------------------------------------------------------------------------
     def spreads(self, window: int) -> dict[str, list[float]]:
@@ -205,6 +218,11 @@ class HDETOneCycleLR(OneCycleLR):
             matched against the param groups' ``"name"`` entries).
         model: average ``model.parameters()`` at each converge (default: the optimizer's params).
         process_group: the data-parallel ranks whose replicas form the arms (default: WORLD).
+            With FSDP2: the ranks whose losses are reduced per window (default: WORLD).
+        device_mesh: FSDP2 (``fully_shard``) models: the 2-D HSDP ``DeviceMesh``
+            (replicate, shard) the model was sharded over; the arms are its replicate
+            dimension (see :mod:`hdet_megatron.fsdp`). Inferred from the parameters' DTensors
+            when omitted; a 1-D (pure FSDP) mesh is refused with an explanation.
 
     ``step(loss)`` takes this rank's (undetached is fine) local training loss of the step just
     taken; the arms' window losses drive the controller and the non-finite exclusion. An arm
@@ -239,15 +257,24 @@ class HDETOneCycleLR(OneCycleLR):
         hdet: Optional[HDETConfig] = None,
         model: Optional[torch.nn.Module] = None,
         process_group: Optional[dist.ProcessGroup] = None,
+        device_mesh: Optional[Any] = None,
     ) -> None:
         if hdet is not None and not isinstance(hdet, HDETConfig):
             raise TypeError(f"hdet must be an HDETConfig or None, got {type(hdet).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"{type(optimizer).__name__} is not an Optimizer")
         # Must exist before OneCycleLR.__init__ runs the initial step().
-        self._hdet: Optional[_Runtime] = (
-            _Runtime(hdet, optimizer, model, process_group) if hdet is not None else None
-        )
+        self._hdet: Optional[_Runtime] = None
+        if hdet is not None:
+            from hdet_megatron.fsdp import is_fsdp2_setup  # torch-only, no megatron
+
+            if device_mesh is not None or is_fsdp2_setup(optimizer, model):
+                # FSDP2 (fully_shard) model: arms are the replicate dim of the HSDP mesh.
+                from hdet_megatron.fsdp import FSDPRuntime
+
+                self._hdet = FSDPRuntime(hdet, optimizer, model, process_group, device_mesh)
+            else:
+                self._hdet = _Runtime(hdet, optimizer, model, process_group)
         super().__init__(
             optimizer,
             max_lr,
@@ -319,6 +346,12 @@ class HDETOneCycleLR(OneCycleLR):
             if done > 0 and done % rt.config.period == 0:
                 self._converge(done)
         super().step()
+
+    def close(self) -> None:
+        """Undo what HDET changed on the model: with an FSDP2 model and ``grad_sync="arm"``,
+        FSDP's replicate-dimension gradient all-reduce is switched back on."""
+        if self._hdet is not None:
+            self._hdet.close()
 
     def converge(self) -> Optional[ControllerUpdate]:
         """Converge now (collective), e.g. after the last step of a run whose length is not a
