@@ -197,6 +197,13 @@ SOURCE_REWRITES: tuple[SourceRewrite, ...] = (
         "DistributedOptimizer.load_state_dict",
         _CURRENT_DEVICE,
     ),
+    # --use-torch-fsdp2: TorchFullyShardedDataParallel builds its DeviceMesh with a literal
+    # "cuda" device type (fully_shard then calls torch.cuda.current_device()).
+    SourceRewrite(
+        "megatron.core.distributed.torch_fully_sharded_data_parallel",
+        "TorchFullyShardedDataParallel.__init__",
+        (('DeviceMesh.from_group(self.process_group, "cuda")', 'DeviceMesh.from_group(self.process_group, "cpu")'),),
+    ),
     # dist_checkpointing (torch_dist) save: device-to-host staging ends with a CUDA sync.
     SourceRewrite(
         "megatron.core.dist_checkpointing.strategies.filesystem_async",
@@ -388,7 +395,7 @@ def original_function(qualified_name: str) -> Callable:
 #
 # * E. ``typing.override`` (Python 3.12+) is imported by ``megatron/training/models/gpt.py`` and
 #   ``hybrid.py``: on Python 3.11 it is aliased to ``typing_extensions.override``.
-# * F-K. source rewrites (:data:`TRAINING_SOURCE_REWRITES`), same mechanism as C/D.
+# * F-L. source rewrites (:data:`TRAINING_SOURCE_REWRITES`), same mechanism as C/D.
 
 TRAINING_SOURCE_REWRITES: tuple[SourceRewrite, ...] = (
     # F. validate_args (TP > 1) and others read the GPU architecture.
@@ -409,7 +416,12 @@ TRAINING_SOURCE_REWRITES: tuple[SourceRewrite, ...] = (
     SourceRewrite(
         "megatron.training.initialize",
         "_initialize_distributed",
-        (("if device_count > 0 and not skip_model_parallel_init:", "if not skip_model_parallel_init:"),),
+        (
+            (
+                "if device_count > 0 and not skip_model_parallel_init:",
+                "if not skip_model_parallel_init:",
+            ),
+        ),
     ),
     # I. ...and the model-parallel RNG tracker would never be seeded (routed to the CPU generator
     # by shim B).
@@ -418,7 +430,56 @@ TRAINING_SOURCE_REWRITES: tuple[SourceRewrite, ...] = (
         "_set_random_seed",
         (("if torch.cuda.device_count() > 0:", "if True:"),),
     ),
-    # J/K. checkpoints save and restore the CUDA generator's state; the CPU generator's state
+    # J. the JIT warm-up runs the fused kernels on CUDA tensors (they are switched off by the
+    # CPU flags --no-bias-gelu-fusion --no-bias-dropout-fusion anyway).
+    SourceRewrite(
+        "megatron.training.initialize",
+        "set_jit_fusion_options",
+        (("_warmup_jit_function(tp_size=tp_size)", "None"),),
+    ),
+    # K. literal CUDA tensors/streams on the loop's path: start-time all-reduce, moving the model
+    # to the GPU and the DDP-wrap stream, loss bookkeeping of the log line, the data-loader flags
+    # broadcast, the loss-scale/grad-norm reductions, the checkpoint iteration all-reduce.
+    SourceRewrite("megatron.training.training", "pretrain", _CUDA_DEVICE[:1]),
+    SourceRewrite(
+        "megatron.training.training",
+        "get_model",
+        (
+            ("model_module.cuda(torch.cuda.current_device())", "None"),
+            ("torch.cuda.Stream()", "_hdet_cpu_stream()"),
+            ("torch.cuda.current_stream()", "_hdet_cpu_stream()"),
+            ("torch.cuda.stream(", "_hdet_nullcontext("),
+        ),
+    ),
+    SourceRewrite("megatron.training.training", "training_log", _CUDA_DEVICE[:1]),
+    SourceRewrite(
+        "megatron.training.training",
+        "build_train_valid_test_data_loaders",
+        _CUDA_DEVICE[:1],
+    ),
+    SourceRewrite(
+        "megatron.training.utils.common_utils",
+        "reduce_max_stat_across_model_parallel_group",
+        _CURRENT_DEVICE,
+    ),
+    SourceRewrite(
+        "megatron.training.utils.common_utils",
+        "logical_and_across_model_parallel_group",
+        _CURRENT_DEVICE,
+    ),
+    SourceRewrite("megatron.training.checkpointing", "read_metadata", _CUDA_DEVICE[:1]),
+    # Tied input/output embeddings with PP > 1: the last stage's copy is moved to the GPU before
+    # the first/last-stage all-reduce (Megatron-LM ties them by default).
+    SourceRewrite(
+        "megatron.core.models.common.language_module.language_module",
+        "LanguageModule.setup_embeddings_and_output_layer",
+        (("weight.data = weight.data.cuda()", "weight.data = weight.data"),),
+    ),
+    # megatron.core timers, used by the loop only (torch.cuda.synchronize, a CUDA gather buffer).
+    SourceRewrite("megatron.core.timers", "Timer.start", _SYNC),
+    SourceRewrite("megatron.core.timers", "Timer.stop", _SYNC),
+    SourceRewrite("megatron.core.timers", "Timers._get_elapsed_time_all_ranks", _CURRENT_DEVICE),
+    # L. checkpoints save and restore the CUDA generator's state; the CPU generator's state
     # takes its place (the checkpoint keeps the same structure).
     SourceRewrite(
         "megatron.training.checkpointing",

@@ -179,13 +179,14 @@ class HDET:
         self.layout: ArmLayout = scheduler.layout
         self.loss_keys = tuple(loss_keys)
         self._check_optimizer()
-        self._main_params = main_params(optimizer)
-        self._param_ids = [id(p) for p in self._main_params]
+        self._param_ids = [id(p) for p in main_params(optimizer)]
+        # The tensors converge averages (subclasses: e.g. local shards of FSDP2 DTensors).
+        self._main_params = self._converge_tensors(main_params(optimizer))
         self.averager = BucketedAverager(
             self._main_params, group=self.layout.cross_arm_group, bucket_mb=config.bucket_mb
         )
         self.module_axes = ModuleAxes(self.model, config, self.layout.arm)
-        self.grad_sync = ArmGradSync(self.model, self.layout, config.grad_sync, self._distopt)
+        self.grad_sync = self._make_grad_sync()
         self.grad_sync.install()
 
         device = self._main_params[0].device if self._main_params else torch.device("cpu")
@@ -206,6 +207,15 @@ class HDET:
         self.module_axes.apply(
             self.scheduler.controller.scales(), self.scheduler.arm_spread_values()
         )
+
+    # -- extension points (hdet_megatron.megatron.fsdp overrides them) --------------------------
+    def _converge_tensors(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors converge averages across arms, from the optimizer's main params."""
+        return params
+
+    def _make_grad_sync(self):
+        """The object that installs ``config.grad_sync`` on the model chunks."""
+        return ArmGradSync(self.model, self.layout, self.config.grad_sync, self._distopt)
 
     # -- setup checks ----------------------------------------------------------------------------
     def _check_optimizer(self) -> None:
@@ -393,19 +403,24 @@ class HDET:
 
     # -- state -----------------------------------------------------------------------------------
     def runtime_state_dict(self) -> dict:
-        return {
-            "iteration": self.iteration,
-            "steps_in_window": self.steps_in_window,
-            "loss_sum": float(self._loss_sum),
-        }
+        """Iteration, steps in the window and the partial window's per-arm loss sums; the same on
+        every rank (see ``checkpointing.runtime_state_dict``)."""
+        from hdet_megatron.megatron.checkpointing import runtime_state_dict
+
+        return runtime_state_dict(self)
 
     def load_runtime_state_dict(self, state: dict) -> None:
-        for key in ("iteration", "steps_in_window", "loss_sum"):
-            if key not in state:
-                raise ValueError(f"HDET runtime state is missing {key!r}")
-        self.iteration = int(state["iteration"])
-        self.steps_in_window = int(state["steps_in_window"])
-        self._loss_sum.fill_(float(state["loss_sum"]))
+        from hdet_megatron.megatron.checkpointing import load_runtime_state
+
+        load_runtime_state(self, state)
+
+    def prepare_save(self) -> Optional[WindowMetrics]:
+        """Call on every rank before writing a checkpoint: converges a partial window when
+        ``config.converge_on_save`` (returns its metrics), else records the window's per-arm
+        losses for the checkpoint. ``checkpointing.save_checkpoint`` calls it for you."""
+        from hdet_megatron.megatron.checkpointing import prepare_save
+
+        return prepare_save(self)
 
     def state_dict(self) -> dict:
         """Controller + window + runtime state (also inside ``scheduler.state_dict()["hdet"]``)."""

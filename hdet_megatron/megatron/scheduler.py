@@ -195,40 +195,49 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
                 group["lr"] = self._apply(lr_axis, lr)
             group["weight_decay"] = self._apply("weight_decay", group["weight_decay"])
 
-    # -- checkpoints ---------------------------------------------------------------------------
+    # -- checkpoints (rules and formats: hdet_megatron/megatron/checkpointing.py) ---------------
+    #: On load, whose HDET config wins when it differs from the checkpoint's: True = this run's,
+    #: False = the checkpoint's, None = follow Megatron's ``override_opt_param_scheduler`` /
+    #: ``use_checkpoint_opt_param_scheduler`` (default: the checkpoint's).
+    override_hdet_config: Optional[bool] = None
+    #: Like Megatron's ``use_checkpoint_opt_param_scheduler`` for the HDET config (None = follow
+    #: it); with neither this nor an override, a config mismatch is an error.
+    use_checkpoint_hdet_config: Optional[bool] = None
+    _hdet_pending_runtime: Optional[dict] = None
+
+    @property
+    def hdet_runtime(self):
+        """The attached :class:`HDET` runtime (set by ``HDET``); its window state travels with
+        this scheduler's state. Attaching one hands it a position loaded before it existed."""
+        return self.__dict__.get("_hdet_runtime")
+
+    @hdet_runtime.setter
+    def hdet_runtime(self, runtime) -> None:
+        self.__dict__["_hdet_runtime"] = runtime
+        if runtime is not None and self._hdet_pending_runtime is not None:
+            from hdet_megatron.megatron.checkpointing import attach_runtime
+
+            attach_runtime(self, runtime)
+
     def state_dict(self) -> dict:
         state = super().state_dict()
         state["hdet"] = self.hdet_state_dict()
         return state
 
     def hdet_state_dict(self) -> dict:
-        state = {
-            "version": 1,
-            "window": self.window,
-            "num_arms": self.layout.num_arms,
-            "dp_size": self.layout.dp_size,
-            "controller": self.controller.state_dict(),
-            "config": self.hdet_config.fingerprint(),
-        }
-        if self.hdet_runtime is not None:
-            state["runtime"] = self.hdet_runtime.runtime_state_dict()
-        return state
+        """HDET's state (controller, window/generator position, runtime, config fingerprint)."""
+        from hdet_megatron.megatron.checkpointing import hdet_state_dict
+
+        return hdet_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        state_dict = dict(state_dict)
-        hdet_state = state_dict.pop("hdet", None)
-        super().load_state_dict(state_dict)
-        if hdet_state is None:
-            logger.info("HDET: checkpoint has no HDET state; controller starts at scale 1")
-            self.set_window(self.window)
-            return
-        self.load_hdet_state_dict(hdet_state)
+        """Megatron's fields plus HDET state; a plain Megatron state (no ``"hdet"``) starts the
+        controller at scale 1. HDET state is validated before anything is modified."""
+        from hdet_megatron.megatron.checkpointing import load_scheduler_state
 
-    def load_hdet_state_dict(self, state: dict) -> None:
-        for key in ("window", "num_arms", "controller"):
-            if key not in state:
-                raise ValueError(f"HDET checkpoint state is missing {key!r}")
-        self.controller.load_state_dict(state["controller"])
-        self.set_window(int(state["window"]))
-        if self.hdet_runtime is not None and "runtime" in state:
-            self.hdet_runtime.load_runtime_state_dict(state["runtime"])
+        load_scheduler_state(self, state_dict, super().load_state_dict)
+
+    def load_hdet_state_dict(self, state: dict, override: Optional[bool] = None) -> None:
+        from hdet_megatron.megatron.checkpointing import apply_hdet_load, plan_hdet_load
+
+        apply_hdet_load(self, plan_hdet_load(self, state, override))
