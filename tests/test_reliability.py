@@ -224,3 +224,59 @@ def test_no_host_sync_on_non_converge_steps():
         assert [c for conv, c, _ in per_step if not conv] == [0, 0, 0, 0]
         # The converge reads the arm losses once (the counter does see real syncs).
         assert all(c >= 1 for conv, c, _ in per_step if conv)
+
+
+def _crash_world(rank, world_size, ckpt_dir, mode):
+    """mode: "reference" (8 steps, save at 4), "crash" (save at 4, rank 2 SIGKILLed at step 6),
+    "restart" (load the crash run's checkpoint, train to 8)."""
+    import os
+    import signal
+
+    from hdet_megatron.config import HDETConfig
+    from hdet_megatron.megatron import toy
+    from hdet_megatron.megatron.checkpointing import load_checkpoint, save_checkpoint
+    from hdet_megatron.megatron.runtime import HDET, main_params
+    from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+    from tests.megatron_hdet_worker import digest
+
+    config = HDETConfig(period=3, temperature=0.05)
+    setup = toy.ToyGPTSetup(tp=2)
+    with toy.parallel(setup):
+        model = toy.build_model(setup)
+        optimizer = toy.build_optimizer(setup, model)
+        scheduler = HDETOptimizerParamScheduler(optimizer, hdet=config, **toy.scheduler_kwargs(setup, 8))
+        hdet = HDET(config, model, optimizer, scheduler)
+        data = toy.data_iterator_for_rank(setup)
+        start = 0
+        if mode == "restart":
+            start = load_checkpoint(ckpt_dir, model, optimizer, scheduler, hdet)
+            for _ in range(start * setup.num_microbatches):
+                next(data)  # the batches the crashed run consumed before its checkpoint
+        for it in range(start, 8):
+            if mode == "crash" and it == 6 and rank == 2:
+                os.kill(os.getpid(), signal.SIGKILL)  # mid-window, no cleanup
+            losses, _ = toy.train_step(setup, model, optimizer, data)
+            scheduler.step(1)
+            hdet.step(losses)
+            if it + 1 == 4 and mode != "restart":
+                save_checkpoint(ckpt_dir, 4, model, optimizer, scheduler, hdet)
+        return {"start": start, "main": digest(main_params(optimizer)),
+                "scale": scheduler.controller.scales(), "window": scheduler.window}
+
+
+def test_crash_fails_fast_and_restart_matches_uninterrupted(tmp_path):
+    import time
+
+    from tests.harness import WorldFailed
+
+    reference = run_world(4, _crash_world, str(tmp_path / "ref"), "reference", timeout=300)
+    begin = time.monotonic()
+    with pytest.raises(WorldFailed) as info:
+        run_world(4, _crash_world, str(tmp_path / "crash"), "crash", timeout=300)
+    assert time.monotonic() - begin < 150  # the survivors fail fast, no hang to the timeout
+    assert "rank 2 died (exit code -9)" in str(info.value)
+    restarted = run_world(4, _crash_world, str(tmp_path / "crash"), "restart", timeout=300)
+    for ref, new in zip(reference, restarted):
+        assert new["start"] == 4
+        assert new["main"] == ref["main"] and new["scale"] == ref["scale"]
+        assert new["window"] == ref["window"]
