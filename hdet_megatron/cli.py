@@ -4,7 +4,8 @@ Subcommands:
 
 * ``hdet simulate``: run the controller on the noisy-quadratic simulator
   (:mod:`hdet_megatron.sim`) and print how the LR scale moves toward the known optimum.
-* ``hdet report RUN_DIR``: placeholder (plots and tables of a training run), to be filled in.
+* ``hdet report RUN_DIR``: text summary and PNG of a training run's ``metrics.jsonl``
+  (:mod:`hdet_megatron.report`).
 
 Each subcommand is a pair ``_add_<name>(subparsers)`` / ``_run_<name>(args) -> int`` registered
 in :data:`SUBCOMMANDS`; to add one, write the pair and append it there.
@@ -129,18 +130,37 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 
 # --- hdet report RUN_DIR ----------------------------------------------------------------------
-# Placeholder: plots/tables of a training run directory. Replace _run_report (and extend
-# _add_report) when the run-directory format is settled.
+# The plotting and summary logic lives in hdet_megatron/report.py.
 
 
 def _add_report(subparsers) -> None:
-    p = subparsers.add_parser("report", help="summarise a training run (not implemented yet)")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="directory of an HDET training run")
+    p = subparsers.add_parser(
+        "report",
+        help="plot and summarise a training run (RUN_DIR/metrics.jsonl)",
+        description=(
+            "Read RUN_DIR/metrics.jsonl (written by examples/pretrain_gpt/pretrain_gpt.py), print "
+            "a short summary and write a PNG: training loss per arm and averaged, the LR "
+            "trajectory base x scale with the arms' band, validation loss, per-window arm losses."
+        ),
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="directory of an HDET training run (--run-dir / --save)")
+    p.add_argument("-o", "--output", default=None, help="PNG path (default RUN_DIR/report.png)")
+    p.add_argument("--no-plot", action="store_true", help="text summary only")
+    p.add_argument("--smooth", type=int, default=None, help="EMA span for the loss curves (default: steps/40)")
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    print(f"hdet report: not implemented yet (RUN_DIR={args.run_dir})", file=sys.stderr)
-    return 2
+    from hdet_megatron.report import ReportError, report
+
+    try:
+        text, png = report(args.run_dir, args.output, make_plot=not args.no_plot, smooth=args.smooth)
+    except ReportError as exc:
+        print(f"hdet report: {exc}", file=sys.stderr)
+        return 2
+    print(text)
+    if png:
+        print(f"plot: {png}")
+    return 0
 
 
 # --- registry and entry point -----------------------------------------------------------------

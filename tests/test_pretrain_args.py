@@ -1,0 +1,122 @@
+"""examples/pretrain_gpt/pretrain_gpt.py: flags, derived values and clear errors for bad input.
+
+No process group and no megatron import: everything here is checked before training starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from hdet_megatron.config import HDETConfig
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py"
+
+
+@pytest.fixture(scope="module")
+def pg():
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture()
+def data(tmp_path):
+    """A fake prepared dataset (existence and sidecar are all the flag checks look at)."""
+    prefix = tmp_path / "corpus_text_document"
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"corpus_text_document{ext}").write_bytes(b"")
+    (tmp_path / "corpus_text_document.json").write_text(json.dumps({"tokenizer": {"type": "ByteLevel"}}))
+    return str(prefix)
+
+
+def parse(pg, argv, world=4):
+    return pg.parse_args(argv, world_size=world)
+
+
+def test_defaults_and_derived_values(pg, data):
+    args, hdet = parse(pg, ["--data-path", data, "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
+                            "--global-batch-size", "8"])
+    assert args.data_parallel_size == 2 and args.num_microbatches == 2
+    assert args.tokenizer_type == "ByteLevel"  # taken from the dataset's sidecar
+    assert args.max_position_embeddings == args.seq_length and args.ffn_hidden_size == 4 * args.hidden_size
+    assert args.lr_decay_iters == args.train_iters
+    assert hdet == HDETConfig()  # every HDET default comes from HDETConfig
+    assert args.hdet_num_arms == 2
+    args, hdet = parse(pg, ["--mock-data", "--no-hdet"])
+    assert hdet is None and args.hdet_num_arms == 1 and args.global_batch_size == 4 * 4
+
+
+def test_hdet_flags_cover_every_config_field(pg, data):
+    argv = ["--data-path", data, "--hdet-period", "7", "--hdet-arms", "2", "--hdet-grad-sync", "arm",
+            "--hdet-axis", "lr:0.3", "--hdet-axis", "weight_decay:0.5:0:1", "--hdet-spread-kind", "log",
+            "--no-hdet-auto", "--hdet-auto-start", "5", "--hdet-temperature", "auto", "--hdet-meta-lr", "0.2",
+            "--hdet-momentum", "0.5", "--hdet-scale-bounds", "0.1", "10", "--hdet-rule", "paper",
+            "--hdet-seed", "3", "--hdet-bucket-mb", "8", "--no-hdet-converge-on-save",
+            "--hdet-nonfinite", "raise", "--hdet-rollback"]
+    _, hdet = parse(pg, argv)
+    changed = {f.name for f in dataclasses.fields(HDETConfig) if getattr(hdet, f.name) != getattr(HDETConfig(), f.name)}
+    assert changed == {f.name for f in dataclasses.fields(HDETConfig)}
+    assert hdet.period == 7 and hdet.axes[0].kind == "log" and hdet.scale_bounds == (0.1, 10.0)
+
+
+@pytest.mark.parametrize(
+    "argv, world, needle",
+    [
+        ([], 4, "missing data path: give --data-path"),
+        (["--data-path", "/nonexistent/corpus"], 4, "data path '/nonexistent/corpus' not found: missing"),
+        (["--mock-data", "--tensor-model-parallel-size", "3"], 4,
+         "world size 4 is not divisible by TP x PP = 3 x 1 = 3"),
+        (["--mock-data", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 6,
+         "world size 6 is not divisible by TP x PP = 2 x 2 = 4"),
+        (["--mock-data", "--no-hdet", "--hdet-period", "5"], 4, "--no-hdet conflicts with --hdet-period"),
+        (["--mock-data", "--no-hdet", "--hdet-spread=0.2"], 4, "--no-hdet conflicts with --hdet-spread"),
+        (["--mock-data", "--data-path", "x"], 4, "--mock-data conflicts with --data-path"),
+        (["--mock-data", "--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"], 4,
+         "--lr-warmup-fraction conflicts with --lr-warmup-iters"),
+        (["--mock-data", "--hdet-spread", "0.2", "--hdet-axis", "lr:0.1"], 4, "--hdet-spread and --hdet-axis conflict"),
+        (["--mock-data", "--hdet-arms", "3"], 4, "--hdet-arms 3 must divide the data-parallel size 4"),
+        (["--mock-data", "--micro-batch-size", "3", "--global-batch-size", "8"], 4,
+         "--global-batch-size 8 is not divisible by micro-batch-size x DP = 3 x 4"),
+        (["--mock-data", "--seq-length", "512", "--max-position-embeddings", "256"], 4,
+         "--seq-length 512 exceeds --max-position-embeddings 256"),
+        (["--mock-data", "--num-layers", "3", "--pipeline-model-parallel-size", "2"], 4,
+         "--num-layers 3 is not divisible by PP 2"),
+        (["--mock-data", "--save-interval", "10"], 4, "--save-interval needs --save"),
+        (["--mock-data", "--ckpt-step", "10"], 4, "--ckpt-step needs --load"),
+        (["--mock-data", "--lr-warmup-iters", "300"], 4, "--lr-warmup-iters 300 must be smaller"),
+        (["--mock-data", "--hdet-period", "0"], 4, "HDETConfig.period=0"),
+        (["--mock-data", "--hdet-axis", "lr"], 4, "--hdet-axis 'lr': expected NAME:SPREAD"),
+        (["--mock-data", "--bogus-flag"], 4, "unrecognized arguments: --bogus-flag"),
+        (["--mock-data", "--tokenizer-type", "GPT2BPETokenizer"], 4, "--mock-data uses synthetic token ids"),
+    ],
+)
+def test_bad_input_is_a_clear_error(pg, argv, world, needle):
+    with pytest.raises(pg.UsageError) as info:
+        parse(pg, argv, world)
+    assert needle in str(info.value)
+
+
+def test_data_path_hint_and_tokenizer_mismatch(pg, data):
+    with pytest.raises(pg.UsageError, match="did you mean --data-path .*corpus_text_document"):
+        parse(pg, ["--data-path", data[: -len("_text_document")]])
+    with pytest.raises(pg.UsageError, match="prepared with the ByteLevel tokenizer, but --tokenizer-type GPT2BPETokenizer"):
+        parse(pg, ["--data-path", data, "--tokenizer-type", "GPT2BPETokenizer"])
+
+
+def test_main_prints_error_and_returns_2(pg, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    assert pg.main(["--tensor-model-parallel-size", "3", "--mock-data"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pretrain_gpt.py: error: world size 4 is not divisible by TP x PP")
+    assert "Traceback" not in err
+    monkeypatch.setenv("RANK", "1")  # other ranks stay silent (one message per job)
+    assert pg.main(["--tensor-model-parallel-size", "3", "--mock-data"]) == 2
+    assert capsys.readouterr().err == ""
