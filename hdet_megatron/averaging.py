@@ -239,10 +239,14 @@ class BucketedAverager:
     def _unpack(self, i: int, divisor) -> None:
         b = self._buckets[i]
         data = self._view(i)[: b.numel]
-        data.div_(divisor)
+        # Divide straight into the destination: one pass over the bucket instead of a div_ and
+        # a copy_. Same rounding: the quotient is computed in the bucket dtype (fp32 for bf16
+        # tensors) and rounded once on store, exactly like div_ followed by copy_.
         for s in b.segments:
-            self._flat(s.tensor)[s.tensor_offset : s.tensor_offset + s.numel].copy_(
-                data[s.bucket_offset : s.bucket_offset + s.numel]
+            torch.div(
+                data[s.bucket_offset : s.bucket_offset + s.numel],
+                divisor,
+                out=self._flat(s.tensor)[s.tensor_offset : s.tensor_offset + s.numel],
             )
 
     @torch.no_grad()
