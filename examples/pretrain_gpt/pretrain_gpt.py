@@ -375,24 +375,6 @@ def _checkpoint_iteration(load_dir: str, ckpt_step: Optional[int] = None) -> Opt
 # ==============================================================================================
 
 
-def _cpu_tied_embedding_shim() -> None:
-    """CPU, PP > 1, tied embeddings: megatron.core's ``LanguageModule.setup_embeddings_and_output_
-    layer`` moves the last stage's copy of the word embeddings to CUDA before the first/last-stage
-    all-reduce. ``hdet_megatron.megatron.cpu`` has that rewrite among its megatron.training shims;
-    apply just this one (the training loop's other shims are not needed here)."""
-    from hdet_megatron.megatron import cpu
-
-    qualname = "LanguageModule.setup_embeddings_and_output_layer"
-    rewrite = next((r for r in getattr(cpu, "TRAINING_SOURCE_REWRITES", ()) if r.qualname == qualname), None)
-    if rewrite is None:
-        raise UsageError("pipeline parallelism with tied embeddings on CPU needs the CPU shim of "
-                         f"{qualname}; pass --untie-embeddings-and-output-weights")
-    key = f"{rewrite.module}.{rewrite.qualname}"
-    if key not in cpu._STATE.rewritten:
-        original, _ = cpu._compile_rewrite(rewrite)
-        cpu._STATE.rewritten[key] = original
-
-
 def _in_process_results_queue() -> None:
     """CPU only: megatron's torch_dist writer makes its result queue with a *spawned*
     ``multiprocessing.Manager`` (a fresh interpreter that imports torch: ~10 s per rank on a busy
@@ -520,8 +502,6 @@ class Trainer:
         from megatron.core.transformer import TransformerConfig
 
         args, torch, ps = self.args, self.torch, self.ps
-        if not self.cuda and args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights:
-            _cpu_tied_embedding_shim()
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         config = TransformerConfig(
             num_layers=args.num_layers,

@@ -93,6 +93,13 @@ _TYPE_CHECKS = (
 )
 
 SOURCE_REWRITES: tuple[SourceRewrite, ...] = (
+    # Tied input/output embeddings with PP > 1: the last stage's copy is moved to the GPU before
+    # the first/last-stage all-reduce (Megatron-LM ties them by default).
+    SourceRewrite(
+        "megatron.core.models.common.language_module.language_module",
+        "LanguageModule.setup_embeddings_and_output_layer",
+        (("weight.data = weight.data.cuda()", "weight.data = weight.data"),),
+    ),
     # Megatron's cross-DP weight-hash check gathers the hashes on the GPU.
     SourceRewrite(
         "megatron.core.utils",
@@ -468,13 +475,6 @@ TRAINING_SOURCE_REWRITES: tuple[SourceRewrite, ...] = (
         _CURRENT_DEVICE,
     ),
     SourceRewrite("megatron.training.checkpointing", "read_metadata", _CUDA_DEVICE[:1]),
-    # Tied input/output embeddings with PP > 1: the last stage's copy is moved to the GPU before
-    # the first/last-stage all-reduce (Megatron-LM ties them by default).
-    SourceRewrite(
-        "megatron.core.models.common.language_module.language_module",
-        "LanguageModule.setup_embeddings_and_output_layer",
-        (("weight.data = weight.data.cuda()", "weight.data = weight.data"),),
-    ),
     # megatron.core timers, used by the loop only (torch.cuda.synchronize, a CUDA gather buffer).
     SourceRewrite("megatron.core.timers", "Timer.start", _SYNC),
     SourceRewrite("megatron.core.timers", "Timer.stop", _SYNC),
