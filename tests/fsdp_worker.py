@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from hdet_megatron.config import Axis, HDETConfig
 from hdet_megatron.torch_scheduler import HDETOneCycleLR
+from tests.cross_arm import CrossArmBytes
 
 
 @dataclass
@@ -88,45 +89,6 @@ def full_digest(model) -> str:
         for p in model.parameters():
             h.update(p.full_tensor().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
-
-
-class CrossArmBytes:
-    """Counts bytes of collectives whose group spans more than one arm."""
-
-    NAMES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
-             "reduce_scatter_tensor")
-
-    def __init__(self, arm_of_rank: dict[int, int]):
-        self.arm_of_rank = arm_of_rank
-        self.bytes = 0
-        self.calls = 0
-        self._saved = []
-
-    def _spans_arms(self, group) -> bool:
-        ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
-        return len({self.arm_of_rank[r] for r in ranks}) > 1
-
-    def __enter__(self):
-        for name in self.NAMES:
-            original = getattr(dist, name, None)
-            if original is None:
-                continue
-
-            def wrapped(*args, _original=original, **kwargs):
-                group = kwargs.get("group")
-                if self._spans_arms(group):
-                    tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-                    self.bytes += max((t.numel() * t.element_size() for t in tensors), default=0)
-                    self.calls += 1
-                return _original(*args, **kwargs)
-
-            self._saved.append((name, original))
-            setattr(dist, name, wrapped)
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in reversed(self._saved):
-            setattr(dist, name, original)
 
 
 def build(sc: FSDPScenario):

@@ -24,7 +24,7 @@ from megatron.core.distributed.torch_fully_sharded_data_parallel_config import (
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from tests.fsdp_worker import CrossArmBytes
+from tests.cross_arm import CrossArmBytes
 
 
 @dataclass

@@ -13,6 +13,7 @@ from hdet_megatron.config import Axis, HDETConfig
 from hdet_megatron.megatron import toy
 from hdet_megatron.megatron.runtime import HDET, main_params
 from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+from tests.cross_arm import CrossArmBytes
 from megatron.core import parallel_state as ps
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -46,46 +47,6 @@ def digest(tensors) -> str:
 
 def model_params(model) -> list[torch.Tensor]:
     return [p for chunk in model for p in chunk.module.parameters()]
-
-
-class CrossArmByteCounter:
-    """Counts bytes of collectives whose group spans more than one arm."""
-
-    def __init__(self, arm_of_rank: dict[int, int]):
-        self.arm_of_rank = arm_of_rank
-        self.bytes = 0
-        self._saved = []
-
-    def _spans_arms(self, group) -> bool:
-        ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
-        return len({self.arm_of_rank[r] for r in ranks}) > 1
-
-    def _wrap(self, module, name):
-        original = getattr(module, name)
-
-        def wrapped(tensor, *args, group=None, **kwargs):
-            if isinstance(tensor, torch.Tensor) and self._spans_arms(group):
-                self.bytes += tensor.numel() * tensor.element_size()
-            return original(tensor, *args, group=group, **kwargs)
-
-        self._saved.append((module, name, original))
-        setattr(module, name, wrapped)
-
-    def __enter__(self):
-        from megatron.core.distributed import param_and_grad_buffer as pgb
-
-        self._wrap(dist, "all_reduce")
-        self._wrap(dist, "all_gather_into_tensor")
-        self._wrap(dist, "reduce_scatter_tensor")
-        if hasattr(pgb, "dist_reduce_scatter_func"):
-            self._wrap(pgb, "dist_reduce_scatter_func")
-        if hasattr(pgb, "dist_all_gather_func"):
-            self._wrap(pgb, "dist_all_gather_func")
-        return self
-
-    def __exit__(self, *exc):
-        for module, name, original in reversed(self._saved):
-            setattr(module, name, original)
 
 
 def run(rank: int, world_size: int, sc: Scenario) -> dict:
@@ -131,7 +92,10 @@ def run(rank: int, world_size: int, sc: Scenario) -> dict:
         )
         arm_of_rank = [None] * world_size
         dist.all_gather_object(arm_of_rank, out["arm"])
-        counter = CrossArmByteCounter(dict(enumerate(arm_of_rank)))
+        from megatron.core.distributed import param_and_grad_buffer as pgb
+
+        counter = CrossArmBytes(dict(enumerate(arm_of_rank)), extra=(
+            (pgb, "dist_reduce_scatter_func"), (pgb, "dist_all_gather_func")))
         window_bytes = []
         for _step in range(sc.steps):
             # The LR this rank applies in this step (set by the previous scheduler step / window).

@@ -15,26 +15,11 @@ from hdet_megatron.schedule import (
     onecycle_phases,
     phase_at,
 )
-
-
-def _optimizer(kind: str, groups: int) -> torch.optim.Optimizer:
-    params = [{"params": [torch.nn.Parameter(torch.zeros(2))]} for _ in range(groups)]
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    return torch.optim.AdamW(params, lr=0.1, betas=(0.9, 0.99))
+from tests.onecycle_trace import toy_optimizer, trace_scheduler
 
 
 def _torch_trace(kind, groups, total, **kw):
-    opt = _optimizer(kind, groups)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, total_steps=total, **kw)
-    lrs, moms = [], []
-    for step in range(total + 1):
-        if step:
-            opt.step()
-            sched.step()
-        lrs.append(list(sched.get_last_lr()))
-        key = "betas" if kind == "adam" else "momentum"
-        moms.append([g[key][0] if kind == "adam" else g[key] for g in opt.param_groups])
+    lrs, moms, _ = trace_scheduler(torch.optim.lr_scheduler.OneCycleLR, kind, groups, total, **kw)
     return lrs, moms
 
 
@@ -67,7 +52,7 @@ def test_equals_torch_onecycle_bitwise(kind, groups, total, kw):
 
 
 def test_group_values_match_torch():
-    opt = _optimizer("sgd", 2)
+    opt = toy_optimizer("sgd", 2)
     torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.3, 0.07], total_steps=10, div_factor=7.0,
                                         final_div_factor=33.0)
     sched = OneCycleSchedule([0.3, 0.07], 10, div_factor=7.0, final_div_factor=33.0)
@@ -81,7 +66,7 @@ def test_group_values_match_torch():
 
 def test_phase_table_is_torchs():
     for total, pct, three in itertools.product((10, 97), (0.3, 0.25), (False, True)):
-        opt = _optimizer("sgd", 1)
+        opt = toy_optimizer("sgd", 1)
         ref = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=total,
                                                   pct_start=pct, three_phase=three)
         assert onecycle_phases(total, pct, three) == ref._schedule_phases
@@ -128,7 +113,7 @@ def test_validation():
     with pytest.raises(ValueError, match="zero length"):
         OneCycleSchedule(0.1, 10, pct_start=0.1).lr(0)
     with pytest.raises(ZeroDivisionError):
-        torch.optim.lr_scheduler.OneCycleLR(_optimizer("sgd", 1), 0.1, total_steps=10, pct_start=0.1)
+        torch.optim.lr_scheduler.OneCycleLR(toy_optimizer("sgd", 1), 0.1, total_steps=10, pct_start=0.1)
 
 
 def test_phase_at_extrapolates_last_phase():

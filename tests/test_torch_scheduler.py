@@ -18,6 +18,7 @@ from hdet_megatron.schedule import OneCycleSchedule
 from hdet_megatron.spread import arm_spread
 from hdet_megatron.torch_scheduler import HDETOneCycleLR, MissingLoss
 from tests.harness import run_world
+from tests.onecycle_trace import toy_optimizer, trace_scheduler
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -51,27 +52,6 @@ def _batch(gen: torch.Generator):
     return x, y
 
 
-def _opt(kind: str, groups: int):
-    params = [{"params": [torch.nn.Parameter(torch.zeros(2))]} for _ in range(groups)]
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    return torch.optim.AdamW(params, lr=0.1, betas=(0.9, 0.99))
-
-
-def _trace(sched_cls, kind, groups, total, extra=None, **kw):
-    opt = _opt(kind, groups)
-    sched = sched_cls(opt, total_steps=total, **kw, **(extra or {}))
-    lrs, moms = [], []
-    for step in range(total + 1):
-        if step:
-            opt.step()
-            sched.step()
-        lrs.append(list(sched.get_last_lr()))
-        key = "betas" if kind == "adam" else "momentum"
-        moms.append([g[key][0] if kind == "adam" else g[key] for g in opt.param_groups])
-    return lrs, moms, sched
-
-
 CASES = [
     ("sgd", 1, 40, {"max_lr": 0.1}),
     ("sgd", 3, 33, {"max_lr": [0.1, 0.02, 1.7], "anneal_strategy": "linear", "base_momentum": 0.8}),
@@ -96,8 +76,12 @@ CASES = [
 )
 def test_equals_torch_onecycle_single_rank(kind, groups, total, kw, hdet):
     assert not dist.is_initialized()
-    ref_lrs, ref_moms, _ = _trace(torch.optim.lr_scheduler.OneCycleLR, kind, groups, total, **kw)
-    lrs, moms, sched = _trace(HDETOneCycleLR, kind, groups, total, extra={"hdet": hdet}, **kw)
+    ref_lrs, ref_moms, _ = trace_scheduler(
+        torch.optim.lr_scheduler.OneCycleLR, kind, groups, total, **kw
+    )
+    lrs, moms, sched = trace_scheduler(
+        HDETOneCycleLR, kind, groups, total, extra={"hdet": hdet}, **kw
+    )
     assert lrs == ref_lrs and moms == ref_moms  # == on floats: bit-exact, every step
     pure = OneCycleSchedule(total_steps=total, num_groups=groups,
                             **{k: v for k, v in kw.items() if k != "cycle_momentum"})
@@ -109,7 +93,7 @@ def test_equals_torch_onecycle_single_rank(kind, groups, total, kw, hdet):
 
 
 def test_epochs_and_state_dict_like_torch():
-    opt, ref_opt = _opt("sgd", 1), _opt("sgd", 1)
+    opt, ref_opt = toy_optimizer("sgd", 1), toy_optimizer("sgd", 1)
     sched = HDETOneCycleLR(opt, 0.1, epochs=3, steps_per_epoch=4)
     ref = torch.optim.lr_scheduler.OneCycleLR(ref_opt, 0.1, epochs=3, steps_per_epoch=4)
     assert isinstance(sched, torch.optim.lr_scheduler.OneCycleLR)
@@ -120,40 +104,40 @@ def test_epochs_and_state_dict_like_torch():
     with pytest.raises(ValueError, match="Tried to step 13 times"):
         sched.step()
     with pytest.raises(ValueError, match="total_steps"):
-        HDETOneCycleLR(_opt("sgd", 1), 0.1)
+        HDETOneCycleLR(toy_optimizer("sgd", 1), 0.1)
 
 
 def test_state_dict_hdet_superset_and_plain_checkpoint_loads():
     cfg = HDETConfig(period=4, axes=(Axis("lr", 0.2),))
-    opt = _opt("adam", 1)
+    opt = toy_optimizer("adam", 1)
     sched = HDETOneCycleLR(opt, 1e-3, total_steps=20, hdet=cfg)
     for _ in range(6):
         opt.step()
         sched.step(torch.tensor(1.5))
     state = sched.state_dict()
-    ref_keys = torch.optim.lr_scheduler.OneCycleLR(_opt("adam", 1), 1e-3, total_steps=20).state_dict().keys()
+    ref_keys = torch.optim.lr_scheduler.OneCycleLR(toy_optimizer("adam", 1), 1e-3, total_steps=20).state_dict().keys()
     assert set(state) == set(ref_keys) | {"hdet"}
     assert state["hdet"]["loss_count"] == 2 and state["hdet"]["loss_sum"] == 3.0
     assert state["hdet"]["controller"]["window"] == 1
     torch.save(state, io.BytesIO())  # picklable
-    fresh = HDETOneCycleLR(_opt("adam", 1), 1e-3, total_steps=20, hdet=cfg)
+    fresh = HDETOneCycleLR(toy_optimizer("adam", 1), 1e-3, total_steps=20, hdet=cfg)
     fresh.load_state_dict(state)
     assert fresh.last_epoch == 6 and fresh.controller.state_dict() == sched.controller.state_dict()
     assert fresh.state_dict() == state
     # A plain OneCycleLR checkpoint (no "hdet" key) resumes with HDET switched on.
-    plain_opt = _opt("adam", 1)
+    plain_opt = toy_optimizer("adam", 1)
     plain = torch.optim.lr_scheduler.OneCycleLR(plain_opt, 1e-3, total_steps=20)
     for _ in range(5):
         plain_opt.step()
         plain.step()
-    resumed = HDETOneCycleLR(_opt("adam", 1), 1e-3, total_steps=20, hdet=cfg)
+    resumed = HDETOneCycleLR(toy_optimizer("adam", 1), 1e-3, total_steps=20, hdet=cfg)
     resumed.load_state_dict(plain.state_dict())
     assert resumed.last_epoch == 5 and resumed.controller.window == 0
 
 
 def test_errors_and_rng_untouched_single_rank():
     before = _rng_states()
-    opt = _opt("sgd", 2)
+    opt = toy_optimizer("sgd", 2)
     sched = HDETOneCycleLR(opt, 0.1, total_steps=12, hdet=HDETConfig(period=3))
     for _ in range(6):  # one arm: no loss needed (the controller is neutral anyway)
         opt.step()
@@ -161,15 +145,15 @@ def test_errors_and_rng_untouched_single_rank():
     assert sched.last_update is None and sched.controller.scale("lr") == 1.0
     assert sched.metrics()["num_converges"] == 2
     with pytest.raises(NotImplementedError, match="explores only the learning rate"):
-        HDETOneCycleLR(_opt("sgd", 1), 0.1, total_steps=5, hdet=HDETConfig(axes=(Axis("dropout", 0.1),)))
+        HDETOneCycleLR(toy_optimizer("sgd", 1), 0.1, total_steps=5, hdet=HDETConfig(axes=(Axis("dropout", 0.1),)))
     with pytest.raises(ValueError, match="must divide"):
-        HDETOneCycleLR(_opt("sgd", 1), 0.1, total_steps=5, hdet=HDETConfig(arms=2))
+        HDETOneCycleLR(toy_optimizer("sgd", 1), 0.1, total_steps=5, hdet=HDETConfig(arms=2))
     with pytest.raises(ValueError, match="matches no param group"):
-        HDETOneCycleLR(_opt("sgd", 1), 0.1, total_steps=5, hdet=HDETConfig(axes=(Axis("lr:emb", 0.1),)))
+        HDETOneCycleLR(toy_optimizer("sgd", 1), 0.1, total_steps=5, hdet=HDETConfig(axes=(Axis("lr:emb", 0.1),)))
     with pytest.raises(ValueError, match="must be a scalar"):
-        HDETOneCycleLR(_opt("sgd", 1), 0.1, total_steps=5, hdet=HDETConfig(period=2)).step(torch.ones(2))
+        HDETOneCycleLR(toy_optimizer("sgd", 1), 0.1, total_steps=5, hdet=HDETConfig(period=2)).step(torch.ones(2))
     # nonfinite="raise": a NaN window loss stops with the controller's error.
-    opt = _opt("sgd", 1)
+    opt = toy_optimizer("sgd", 1)
     sched = HDETOneCycleLR(opt, 0.1, total_steps=5, hdet=HDETConfig(period=2, nonfinite="raise"))
     opt.step(), sched.step(1.0), opt.step()
     with pytest.raises(Exception, match="non-finite"):
