@@ -10,7 +10,9 @@ averages its parameter list across the 4 gloo ranks with:
   (one ``torch.cat`` of everything, one all-reduce, copy back);
 * ``flat_limit``: one all-reduce of a *preallocated* flat buffer of the same bytes, no packing:
   the transport's limit;
-* ``bucketed[X MB]``: :class:`hdet_megatron.averaging.BucketedAverager` for each bucket size.
+* ``bucketed[X MB]``: :class:`hdet_megatron.averaging.BucketedAverager` for each bucket size;
+* ``pack_unpack_only[40MB]``: the averager's two memory passes without any communication (what
+  it costs on top of the transport).
 
 Methods are interleaved round-robin for ``--reps`` rounds; we report medians and ratios to
 ``flat_limit`` measured in the same run. Peak extra memory is the peak RSS increase of the
@@ -121,11 +123,23 @@ def main() -> None:
     }
     for mb, avg in averagers.items():
         methods[f"bucketed[{mb:g}MB]"] = avg.average
+    # Decomposition, no communication: the bucketed averager's own memory passes (pack into the
+    # bucket, divide-unpack into the tensors; divisor 1 keeps the values) for the default size.
+    default_mb = 40.0 if 40.0 in averagers else max(averagers)
+    copy_only = averagers[default_mb]
+
+    def pack_unpack() -> None:
+        for i in range(copy_only.num_buckets):
+            copy_only._pack(i, None)
+            copy_only._unpack(i, 1.0)
+
+    methods[f"pack_unpack_only[{default_mb:g}MB]"] = pack_unpack
     by_construction = {
         "per_tensor": 0,
         "average_parameters": nbytes,
         "flat_limit": nbytes,  # the preallocated buffer itself (held permanently)
         **{f"bucketed[{mb:g}MB]": avg.buffer_nbytes for mb, avg in averagers.items()},
+        f"pack_unpack_only[{default_mb:g}MB]": copy_only.buffer_nbytes,
     }
     if rank == 0:
         print(f"[converge] {len(tensors)} tensors, {numel / 1e6:.1f}M params, "

@@ -63,6 +63,8 @@ def main() -> None:
             hdet = HDET(config, model, optimizer, scheduler)
         runs[name] = (model, optimizer, scheduler, hdet, toy.data_iterator_for_rank(setup))
 
+    hdet_calls: list[float] = []  # wall time of HDET.step alone (this rank), every hdet step
+
     def step(name):
         model, optimizer, scheduler, hdet, data = runs[name]
         dist.barrier()
@@ -70,7 +72,9 @@ def main() -> None:
         losses, _ = toy.train_step(setup, model, optimizer, data)
         scheduler.step(1)
         if hdet is not None:
+            t0 = time.perf_counter()
             hdet.step(losses)
+            hdet_calls.append(time.perf_counter() - t0)
         elapsed = torch.tensor([time.perf_counter() - start])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return float(elapsed)
@@ -104,6 +108,18 @@ def main() -> None:
             "median_step_plain_s": plain,
             "median_step_hdet_s": with_hdet,
             "step_overhead": with_hdet / plain - 1,
+            # Spread of the per-block ratio (hdet block median / the plain block run just
+            # before it): how much of the overhead figure is noise.
+            "block_ratio_quartiles": statistics.quantiles(
+                [statistics.median(times["hdet"][i:i + args.block])
+                 / statistics.median(times["plain"][i:i + args.block])
+                 for i in range(0, len(times["plain"]), args.block)], n=4),
+            "step_plain_quartiles_s": statistics.quantiles(times["plain"], n=4),
+            "step_hdet_quartiles_s": statistics.quantiles(times["hdet"], n=4),
+            # Direct measurement of what HDET adds to a non-converge step (no noise from the
+            # rest of the step): the HDET.step call itself, relative to the plain step.
+            "median_hdet_step_call_s": statistics.median(hdet_calls[1:1 + len(times["hdet"])]),
+            "hdet_step_call_over_plain_step": statistics.median(hdet_calls[1:1 + len(times["hdet"])]) / plain,
             "median_converge_s": conv,
             "converge_bytes": hdet.averager.nbytes,
             "amortized_T100": conv / (100 * plain),
