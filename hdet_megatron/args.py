@@ -14,7 +14,7 @@ Flags: ``--no-hdet``, ``--hdet-period``, ``--hdet-arms``, ``--hdet-grad-sync``,
 ``--hdet-auto-start``, ``--hdet-temperature`` (float or ``auto``), ``--hdet-meta-lr``,
 ``--hdet-momentum``, ``--hdet-scale-bounds MIN MAX``, ``--hdet-rule``, ``--hdet-seed``,
 ``--hdet-bucket-mb``, ``--hdet-converge-on-save/--no-hdet-converge-on-save``,
-``--hdet-nonfinite``, ``--hdet-rollback``.
+``--hdet-nonfinite``, ``--hdet-rollback``, ``--hdet-signal``.
 """
 
 from __future__ import annotations
@@ -80,6 +80,10 @@ def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--hdet-nonfinite", choices=("exclude", "raise"), default=_DEFAULT.nonfinite)
     g.add_argument("--hdet-rollback", action="store_true", default=_DEFAULT.rollback,
                    help="when every arm is non-finite, restore the last converged state")
+    g.add_argument("--hdet-signal", choices=("train", "probe"), default=_DEFAULT.signal,
+                   help="what the controller compares: 'train' (window training loss per arm, "
+                        "paper) or 'probe' (each arm's loss on one shared unseen batch at the "
+                        "window's end: removes the arms' data noise; one forward per window)")
     return parser
 
 
@@ -118,4 +122,5 @@ def hdet_config_from_args(args: argparse.Namespace) -> Optional[HDETConfig]:
         converge_on_save=args.hdet_converge_on_save,
         nonfinite=args.hdet_nonfinite,
         rollback=args.hdet_rollback,
+        signal=args.hdet_signal,
     )

@@ -143,6 +143,12 @@ class HDETConfig:
     rollback: bool = False
     """When every arm is non-finite: restore the last converged state and cut the scale,
     instead of raising."""
+    signal: str = "train"
+    """What the controller compares across arms: ``train`` (each arm's mean training loss over
+    the window, as in the paper) or ``probe`` (each arm's loss on one batch that is the same for
+    every arm and that no arm has trained on, measured at the window's end before averaging; it
+    removes the arms' different data from the comparison, at one forward pass per window; the
+    training loop supplies the batch, see ``HDET(probe_fn=...)``)."""
 
     def __post_init__(self) -> None:
         # Accept lists for axes/scale_bounds (from argparse or JSON) but store tuples.
@@ -220,6 +226,8 @@ class HDETConfig:
             raise bad("nonfinite", self.nonfinite, "must be 'exclude' or 'raise'")
         if not isinstance(self.rollback, bool):
             raise bad("rollback", self.rollback, "must be True or False")
+        if self.signal not in ("train", "probe"):
+            raise bad("signal", self.signal, "must be 'train' or 'probe'")
 
     def axis(self, name: str) -> Optional[Axis]:
         """The axis called ``name``, or None."""

@@ -10,7 +10,9 @@ by :mod:`hdet_megatron.report`:
 * ``step``: one per iteration: ``loss`` (mean over DP replicas), ``arm_losses`` (per arm, before
   any DP reduction), ``base_lr`` (the schedule), ``lr`` (base x controller scale, the centre of
   the arms), ``arm_lrs``, ``scale``, ``window``, ``tokens_per_s``, ``elapsed_s``.
-* ``window``: one per converge: ``arm_losses`` (window means), ``arm_values`` (per axis, the
+* ``window``: one per converge: ``arm_losses`` (what the controller compared: window training
+  loss means, or with ``signal`` "probe" each arm's loss on the shared probe batch),
+  ``arm_train_losses`` (window training loss means), ``arm_values`` (per axis, the
   spread each arm used), ``arm_lrs``, ``scales`` (after the update), ``update`` (the controller
   update), ``converge_seconds``, ``converge_bytes``, ``forced``.
 * ``valid`` / ``test``: ``loss``, ``ppl``, ``arm_losses`` (each arm's current model),

@@ -15,6 +15,7 @@ from hdet_megatron.megatron.runtime import HDET, main_params
 from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
 from tests.cross_arm import CrossArmBytes
 from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 
@@ -34,6 +35,7 @@ class Scenario:
     temperature: float = 0.05
     data_seed: int = 0
     count_bytes: bool = False
+    probe: bool = False  # signal="probe": a forward-only pass on one batch shared by all ranks
     extra: dict = field(default_factory=dict)
 
 
@@ -60,7 +62,8 @@ def run(rank: int, world_size: int, sc: Scenario) -> dict:
         use_distributed_optimizer=sc.dist_opt,
         num_distributed_optimizer_instances=instances,
     )
-    out: dict = {"lrs": [], "losses": [], "window_digests": [], "step_digests": [], "history": []}
+    out: dict = {"lrs": [], "losses": [], "window_digests": [], "step_digests": [], "history": [],
+                 "probe_losses": []}
     with toy.parallel(setup):
         model = toy.build_model(setup)
         optimizer = toy.build_optimizer(setup, model)
@@ -74,10 +77,24 @@ def run(rank: int, world_size: int, sc: Scenario) -> dict:
                 axes=(Axis("lr", sc.spread),),
                 auto=sc.auto,
                 temperature=sc.temperature,
+                signal="probe" if sc.probe else "train",
                 **sc.extra,
             )
             scheduler = HDETOptimizerParamScheduler(optimizer, hdet=config, **kwargs)
-            hdet = HDET(config, model, optimizer, scheduler)
+            # The same seed on every rank: every arm is probed on the same batches.
+            probe_data = toy.synthetic_batches(setup, seed=424242)
+
+            def probe_fn():
+                with torch.no_grad():
+                    losses = get_forward_backward_func()(
+                        forward_step_func=toy.forward_step, data_iterator=probe_data, model=model,
+                        num_microbatches=setup.num_microbatches, seq_length=setup.seq_length,
+                        micro_batch_size=setup.micro_batch_size, forward_only=True)
+                out["probe_losses"].append(
+                    float(torch.stack([o["lm loss"] for o in losses]).mean()) if losses else None)
+                return losses
+
+            hdet = HDET(config, model, optimizer, scheduler, probe_fn=probe_fn if sc.probe else None)
             layout = hdet.layout
             out.update(arm=layout.arm, reporter=layout.is_loss_reporter, cross=layout.cross_arm_ranks)
         else:
@@ -122,6 +139,7 @@ def run(rank: int, world_size: int, sc: Scenario) -> dict:
                 out["history"].append(
                     {
                         "arm_losses": metrics.arm_losses,
+                        "arm_train_losses": metrics.arm_train_losses,
                         "scales": metrics.scales,
                         "update": metrics.update,
                         "arm_values": metrics.arm_values,
@@ -191,6 +209,9 @@ def bad_setups(rank: int, world_size: int) -> dict[str, str]:
         )
         hdet = HDET(config, model, optimizer, scheduler)
         expect("no_losses_on_last_stage", lambda: hdet.step([]))
+        probe_config = HDETConfig(period=2, signal="probe")
+        probe_sched = HDETOptimizerParamScheduler(optimizer, hdet=probe_config, **kwargs)
+        expect("probe_without_probe_fn", lambda: HDET(probe_config, model, optimizer, probe_sched))
         expect("loss_key_missing", lambda: hdet.step([{"my loss": torch.tensor(1.0)}]))
         arm_config = HDETConfig(period=2, grad_sync="arm")
         arm_sched = HDETOptimizerParamScheduler(optimizer, hdet=arm_config, **kwargs)

@@ -55,23 +55,32 @@ def check_hdet_run(sc: Scenario, results: list[dict]) -> None:
     for r in results[1:]:
         assert controller_view(r) == controller_view(results[0])
     # ...and used the losses each arm computed locally (mean over the arm's replicas).
+    # With signal="probe" the controller used each arm's probe loss (arm_losses) and the window
+    # training losses are still reported (arm_train_losses).
     for w, s_end in enumerate(converged_steps):
         window = range(s_end - period + 1, s_end + 1)
         for arm in range(num_arms):
-            local = [
-                sum(r["losses"][s] for s in window) / period
-                for r in results
-                if r["reporter"] and r["arm"] == arm
-            ]
+            reporters = [r for r in results if r["reporter"] and r["arm"] == arm]
+            local = [sum(r["losses"][s] for s in window) / period for r in reporters]
             expected = sum(local) / len(local)
-            got = results[0]["history"][w]["arm_losses"][arm]
+            history = results[0]["history"][w]
+            got = history["arm_train_losses"][arm]
             assert math.isclose(got, expected, rel_tol=1e-6), (w, arm, got, expected)
+            if sc.probe:
+                probed = sum(r["probe_losses"][w] for r in reporters) / len(reporters)
+                assert math.isclose(history["arm_losses"][arm], probed, rel_tol=1e-6), (w, arm)
+                assert history["arm_losses"][arm] != got
+            else:
+                assert history["arm_losses"][arm] == got
+    for r in results:  # the probe ran once per window on every rank (a collective), else never
+        assert len(r["probe_losses"]) == (len(converged_steps) if sc.probe else 0)
 
 
 def test_tp2_pp2_dp2_both_modes():
     scenarios = [
         Scenario(tp=2, pp=2, grad_sync="global", count_bytes=True),
         Scenario(tp=2, pp=2, grad_sync="arm", count_bytes=True),
+        Scenario(tp=2, pp=2, grad_sync="global", probe=True),
     ]
     worlds = _worlds(8, scenarios)
     for sc, results in zip(scenarios, worlds):
@@ -80,10 +89,10 @@ def test_tp2_pp2_dp2_both_modes():
     for r in worlds[0]:
         assert all(b > 2 * r["averaged_bytes"] for b in r["window_bytes"])
     # grad_sync="arm": the only traffic between arms is one parameter all-reduce per window
-    # (plus the 3A-float64 loss/health reduction every rank takes part in).
-    arm_results = results
+    # (plus the 4A-float64 loss/health reduction every rank takes part in).
+    arm_results = worlds[1]
     for r in arm_results:
-        loss_bytes = 3 * 2 * 8
+        loss_bytes = 4 * 2 * 8
         assert r["window_bytes"] == [r["averaged_bytes"] + loss_bytes] * len(r["history"])
 
 
@@ -103,7 +112,7 @@ def test_tp2_dp4_arms_4_and_2():
                 twins = [o for o in results if o["arm"] == r["arm"] and o["tp_rank"] == r["tp_rank"]]
                 assert len({t["step_digests"][s]["main"] for t in twins}) == 1
     for r in worlds[2]:
-        assert r["window_bytes"] == [r["averaged_bytes"] + 3 * 2 * 8] * len(r["history"])
+        assert r["window_bytes"] == [r["averaged_bytes"] + 4 * 2 * 8] * len(r["history"])
 
 
 def test_pp2_dp4_distributed_optimizer_instances():
@@ -116,7 +125,7 @@ def test_pp2_dp4_distributed_optimizer_instances():
     for sc, results in zip(scenarios, worlds):
         check_hdet_run(sc, results)
     for r in worlds[1]:
-        assert r["window_bytes"] == [r["averaged_bytes"] + 3 * 4 * 8] * len(r["history"])
+        assert r["window_bytes"] == [r["averaged_bytes"] + 4 * 4 * 8] * len(r["history"])
 
 
 def test_neutral_hdet_is_bit_identical_and_bf16_masters():
@@ -126,8 +135,16 @@ def test_neutral_hdet_is_bit_identical_and_bf16_masters():
         Scenario(tp=2, bf16=True, steps=6),
         Scenario(tp=2, steps=6, data_seed=3),
         Scenario(tp=2, steps=6, data_seed=3),
+        Scenario(tp=2, spread=0.0, auto=False, hdet=True, period=2, steps=6, probe=True),
     ]
-    neutral, plain, bf16, first, second = _worlds(4, scenarios)
+    neutral, plain, bf16, first, second, neutral_probe = _worlds(4, scenarios)
+    # signal="probe" with identical arms: the probe batch is the same on every arm, so the arms'
+    # probe losses are bit-identical (their training losses are not: different data), and the
+    # probe's forward pass leaves training untouched.
+    for r, n in zip(neutral_probe, neutral):
+        assert r["final_model"] == n["final_model"] and r["losses"] == n["losses"]
+        for h in r["history"]:
+            assert len(set(h["arm_losses"])) == 1 and len(set(h["arm_train_losses"])) == 2
     # Determinism: two identical HDET runs give bit-identical losses, params and controller.
     for a, b in zip(first, second):
         assert a["losses"] == b["losses"] and a["history"] == b["history"]
@@ -150,6 +167,7 @@ def test_bad_setups_get_clear_errors():
         assert "initialize_model_parallel" in m["parallel_state_not_initialized"]
         assert "no loss key" in m["loss_key_missing"] and "loss_keys=" in m["loss_key_missing"]
         assert "needs Megatron DistributedDataParallel" in m["arm_sync_without_megatron_ddp"]
+        assert "signal='probe' needs probe_fn" in m["probe_without_probe_fn"]
     last_stage = [m for m in messages]  # PP=1: every rank is on the last stage
     for m in last_stage:
         assert "got no losses on the last pipeline stage" in m["no_losses_on_last_stage"]

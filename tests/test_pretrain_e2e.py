@@ -126,3 +126,26 @@ def test_world_not_divisible_under_torchrun(tmp_path):
     assert "pretrain_gpt.py: error: world size 4 is not divisible by TP x PP = 3 x 1 = 3" in r.stderr
     assert r.stderr.count("pretrain_gpt.py: error") == 1  # one message, not one per rank
     assert "Traceback" not in r.stderr.split("pretrain_gpt.py: error")[0]
+
+
+def test_probe_signal_compares_arms_on_one_shared_batch(tmp_path):
+    # --hdet-signal probe with identical arms (spread 0, no dropout, global grad sync): every arm
+    # is probed on the same unseen batch, so the probe losses are bit-identical across arms while
+    # the arms' window training losses (different data shards) are not.
+    run = tmp_path / "probe"
+    r = torchrun([
+        "--mock-data", "--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--train-iters", "6", "--lr", "3e-3", "--min-lr", "3e-4",
+        "--eval-iters", "0", "--log-interval", "3", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--hdet-period", "3", "--hdet-spread", "0", "--no-hdet-auto", "--hdet-signal", "probe",
+        "--run-dir", str(run),
+    ], cwd=tmp_path, timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "converge w0 @ iter 3: arm0 lr" in r.stdout and "probe" in r.stdout
+    windows = [w for w in read_metrics(str(run)) if w["type"] == "window"]
+    assert [w["iteration"] for w in windows] == [3, 6]
+    for w in windows:
+        assert w["signal"] == "probe"
+        assert len(set(w["arm_losses"])) == 1, w["arm_losses"]
+        assert len(set(w["arm_train_losses"])) == 2, w["arm_train_losses"]

@@ -214,6 +214,12 @@ sys.argv = ["pretrain_gpt_hdet.py", "--hdet-period", "7", "--hdet-axis", "lr:0.2
             "--hdet-axis", "weight_decay:0.1", "--no-hdet-auto", "--hdet-temperature", "auto"]
 args = arguments.parse_args()
 cfg = training_hooks.config_from_args(args)
+sys.argv = ["pretrain_gpt_hdet.py", "--hdet-signal", "probe"]
+try:
+    training_hooks.config_from_args(arguments.parse_args())
+    probe_error = None
+except ValueError as exc:
+    probe_error = str(exc)
 sys.argv = ["pretrain_gpt_hdet.py", "--no-hdet", "--train-iters", "10", "--lr", "0.1",
             "--micro-batch-size", "1", "--global-batch-size", "1"]
 plain = arguments.parse_args()
@@ -224,7 +230,7 @@ opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
 sched = training.get_optimizer_param_scheduler(opt)
 print(json.dumps({"period": cfg.period, "axes": [[a.name, a.spread] for a in cfg.axes],
                   "auto": cfg.auto, "temperature": cfg.temperature,
-                  "plain_scheduler": type(sched).__name__}))
+                  "plain_scheduler": type(sched).__name__, "probe_error": probe_error}))
 """
 
 
@@ -243,6 +249,9 @@ def test_patched_modules_import_and_parse_hdet_args(overlay):
         "auto": False,
         "temperature": "auto",
         "plain_scheduler": "OptimizerParamScheduler",
+        "probe_error": "--hdet-signal probe is not supported through megatron.training yet (it "
+                       "needs a forward pass on a batch shared by all arms): use --hdet-signal "
+                       "train, or examples/pretrain_gpt/pretrain_gpt.py which provides the probe",
     }
 
 

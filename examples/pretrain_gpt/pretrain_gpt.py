@@ -612,7 +612,8 @@ class Trainer:
         from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
 
         self.scheduler = HDETOptimizerParamScheduler(self.optimizer, hdet=self.hdet_config, **kwargs)
-        self.hdet = HDET(self.hdet_config, self.model, self.optimizer, self.scheduler)
+        probe = self.probe_losses if self.hdet_config.signal == "probe" else None
+        self.hdet = HDET(self.hdet_config, self.model, self.optimizer, self.scheduler, probe_fn=probe)
 
     # -- one iteration ---------------------------------------------------------------------------
     @staticmethod
@@ -658,8 +659,33 @@ class Trainer:
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=self.args.global_batch_size)
+        # Counted before hdet.step so that a window-end probe starts at the next unseen sample.
+        self.consumed_train_samples += self.args.global_batch_size
         window = self.hdet.step(losses) if self.hdet is not None else None
         return self._mean_loss(losses), window
+
+    def probe_losses(self) -> list:
+        """HDET's probe (``--hdet-signal probe``), called by ``HDET`` at every converge: a
+        forward-only pass of this arm's model on the next global batch's first data-parallel
+        shard. It is the same batch on every rank (sampler with DP rank 0 of ``self.dp``), and
+        no arm has trained on it yet, so arms differ only by what their hyperparameters did
+        in the window. Collective (a pipeline forward); dropout off, as in evaluation."""
+        from hdet_megatron.megatron import data as D
+
+        args, torch = self.args, self.torch
+        start = self.consumed_train_samples
+        if start + args.global_batch_size > len(self.train_ds):
+            start = 0  # the run's last window: every sample has been seen, any shared batch will do
+        sampler = D.PretrainingSampler(len(self.train_ds), start, args.micro_batch_size, 0, self.dp)
+        data = D.batch_iterator(self.train_ds, sampler, self.device if self.cuda else None)
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            with torch.no_grad():
+                return self._forward_backward(data, forward_only=True)
+        finally:
+            for chunk in self.model:
+                chunk.train()
 
     # -- learning rates for the logs ---------------------------------------------------------------
     def lr_view(self) -> dict:
@@ -853,11 +879,14 @@ def train(args, hdet_config) -> int:
         pending.clear()
         last_log_time, last_log_iter = now, it
 
+    signal_name = "probe" if hdet_config is not None and hdet_config.signal == "probe" else "loss"
+
     def on_window(m, lrs) -> None:
         if m is None:
             return
         record = {"type": "window", "iteration": tr.iteration,
                   "window": m.window, "steps": m.steps, "arm_losses": m.arm_losses,
+                  "signal": hdet_config.signal, "arm_train_losses": m.arm_train_losses,
                   "arm_values": m.arm_values, "arm_lrs": lrs["arm_lrs"], "base_lr": lrs["base_lr"],
                   "scales": m.scales, "update": m.update, "excluded": m.excluded,
                   "converge_seconds": m.converge_seconds, "converge_bytes": m.converge_bytes,
@@ -865,7 +894,7 @@ def train(args, hdet_config) -> int:
         write(record)
         if not args.quiet:
             arms = " | ".join(
-                f"arm{a} lr {lr:.2e} loss {loss:.4f}" for a, (lr, loss) in enumerate(zip(lrs["arm_lrs"], m.arm_losses)))
+                f"arm{a} lr {lr:.2e} {signal_name} {loss:.4f}" for a, (lr, loss) in enumerate(zip(lrs["arm_lrs"], m.arm_losses)))
             before = lrs["scale"]
             after = m.scales.get("lr", before)
             say(f"converge w{m.window} @ iter {tr.iteration}{' (forced)' if m.forced else ''}: {arms} | "
@@ -909,7 +938,6 @@ def train(args, hdet_config) -> int:
         lrs = tr.lr_view()  # the LRs this iteration's update uses
         loss, window = tr.train_step(train_iter)
         tr.iteration += 1
-        tr.consumed_train_samples += gbs
         pending.append((tr.iteration, loss, lrs))
         last_lrs = lrs
         if window is not None or tr.iteration % args.log_interval == 0 or tr.iteration == args.train_iters:

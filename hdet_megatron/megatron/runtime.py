@@ -21,7 +21,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,9 @@ class WindowMetrics:
     steps: int
     """Iterations in the window (``period``, or fewer for a forced converge)."""
     arm_losses: list[float]
-    """Mean training loss of each arm over the window (before any DP reduction)."""
+    """What the controller compared: with ``signal="train"`` each arm's mean training loss over
+    the window (before any DP reduction); with ``"probe"`` each arm's loss on the shared probe
+    batch."""
     arm_values: dict[str, list[float]]
     """Per axis: the spread value (multiplier/offset) each arm used in the window."""
     excluded: list[int]
@@ -71,6 +73,9 @@ class WindowMetrics:
     """Converge requested by :meth:`HDET.converge` (e.g. before a checkpoint save)."""
     rolled_back: bool = False
     """Every arm diverged and the last converged state was restored (``rollback=True``)."""
+    arm_train_losses: Optional[list[float]] = None
+    """Mean training loss of each arm over the window (equal to ``arm_losses`` with
+    ``signal="train"``)."""
 
 
 def _sub_optimizers(optimizer) -> list:
@@ -151,6 +156,11 @@ class HDET:
         loss_keys: keys looked up in each microbatch's loss dict.
         rollback_dir: with ``config.rollback``, where the last converged main params are kept:
             None = host memory, else a directory (one file per rank).
+        probe_fn: required with ``config.signal == "probe"``: called on every rank at the end of
+            each window, before the average, it runs a forward-only pass of this rank's model
+            chunks on a batch that is the same on every arm and that no arm has trained on, and
+            returns what ``forward_backward_func`` returned (per-microbatch losses; empty on
+            non-last pipeline stages). Collective (it is a pipeline forward).
     """
 
     def __init__(
@@ -162,6 +172,7 @@ class HDET:
         pg_collection=None,
         loss_keys: Sequence[str] = DEFAULT_LOSS_KEYS,
         rollback_dir: Optional[str] = None,
+        probe_fn: Optional[Callable[[], Sequence[Any]]] = None,
     ) -> None:
         if not isinstance(scheduler, HDETOptimizerParamScheduler):
             raise HDETSetupError(
@@ -172,6 +183,12 @@ class HDET:
             raise HDETSetupError("HDET config differs from the scheduler's hdet config; pass the same one")
         if scheduler.optimizer is not optimizer:
             raise HDETSetupError("the scheduler was built for a different optimizer")
+        if config.signal == "probe" and probe_fn is None:
+            raise HDETSetupError(
+                "HDETConfig.signal='probe' needs probe_fn: a forward-only pass on a batch shared by "
+                "all arms (examples/pretrain_gpt provides one); use signal='train' otherwise"
+            )
+        self.probe_fn = probe_fn
         self.config = config
         self.model = list(model) if isinstance(model, (list, tuple)) else [model]
         self.optimizer = optimizer
@@ -191,8 +208,9 @@ class HDET:
 
         device = self._main_params[0].device if self._main_params else torch.device("cpu")
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        # [window loss per arm | reporting replicas per arm | ranks with non-finite params per arm]
-        self._loss_reduce = torch.zeros(3 * self.layout.num_arms, dtype=torch.float64, device=device)
+        # [controller signal per arm | reporting replicas per arm | ranks with non-finite params
+        #  per arm | window training loss per arm]
+        self._loss_reduce = torch.zeros(4 * self.layout.num_arms, dtype=torch.float64, device=device)
         self.rollback = RollbackStore(self._main_params, rollback_dir) if config.rollback else None
         self.rollbacks = 0
         self.iteration = 0
@@ -282,26 +300,44 @@ class HDET:
         return self._end_window(forced=True)
 
     # -- the converge ---------------------------------------------------------------------------
-    def _reduce_arm_losses(self) -> tuple[list[float], list[bool]]:
-        """Per arm: mean window loss, and whether any of its ranks holds non-finite params."""
+    def _probe_loss(self) -> Optional[torch.Tensor]:
+        """This rank's loss on the shared probe batch (None off the last pipeline stage)."""
+        losses = self.probe_fn()
+        if not self.layout.is_last_stage:
+            return None
+        if not losses:
+            raise HDETSetupError(
+                "probe_fn returned no losses on the last pipeline stage; return what "
+                "forward_backward_func(forward_only=True) returned"
+            )
+        return self._step_loss(losses)
+
+    def _reduce_arm_losses(self) -> tuple[list[float], list[bool], list[float]]:
+        """Per arm: the controller's signal, whether any of its ranks holds non-finite params,
+        and the mean window training loss."""
         a = self.layout.num_arms
+        probe = self._probe_loss() if self.config.signal == "probe" else None
         buf = self._loss_reduce
         buf.zero_()
         if self.layout.is_loss_reporter:
-            buf[self.layout.arm] = self._loss_sum / self.steps_in_window
+            train = self._loss_sum / self.steps_in_window
+            buf[self.layout.arm] = train if probe is None else probe
             buf[a + self.layout.arm] = 1.0
+            buf[3 * a + self.layout.arm] = train
         # Every rank checks its own (shard of the) main params; device-side, no extra sync.
         finite = torch.stack([torch.isfinite(p).all() for p in self._main_params]).all()
         buf[2 * a + self.layout.arm] = (~finite).to(buf.dtype)
         dist.all_reduce(buf, group=self.layout.loss_group)
         values = buf.tolist()
-        sums, counts, bad = values[:a], values[a : 2 * a], values[2 * a :]
+        sums, counts, bad, train = (values[i * a : (i + 1) * a] for i in range(4))
         losses = [s / c if c > 0 else math.nan for s, c in zip(sums, counts)]
-        return losses, [b > 0 for b in bad]
+        train_losses = [s / c if c > 0 else math.nan for s, c in zip(train, counts)]
+        return losses, [b > 0 for b in bad], train_losses
 
     def _end_window(self, forced: bool) -> WindowMetrics:
         self._check_param_groups_unchanged()
-        arm_losses, bad_params = self._reduce_arm_losses()  # the one host sync of the window
+        # The one host sync of the window (after the probe's forward with signal="probe").
+        arm_losses, bad_params, train_losses = self._reduce_arm_losses()
         # An arm whose parameters blew up is as bad as an infinite loss, whatever it reported.
         arm_losses = [math.inf if bad else loss for loss, bad in zip(arm_losses, bad_params)]
         excluded = [a for a, loss in enumerate(arm_losses) if not math.isfinite(loss)]
@@ -318,7 +354,7 @@ class HDET:
         except AllArmsNonFinite:
             if self.rollback is None:
                 raise
-            return self._roll_back(arm_losses, arm_values, forced)
+            return self._roll_back(arm_losses, arm_values, forced, train_losses)
         start = time.perf_counter()
         weight = 0.0 if self.layout.arm in excluded else 1.0
         stats = self.averager.average(weights=weight)
@@ -340,6 +376,7 @@ class HDET:
             converge_seconds=converge_seconds,
             converge_bytes=stats.bytes,
             forced=forced,
+            arm_train_losses=train_losses,
         )
         self.last_update = update
         self.history.append(metrics)
@@ -348,7 +385,7 @@ class HDET:
         self.scheduler.set_window(self.scheduler.window + 1)
         return metrics
 
-    def _roll_back(self, arm_losses, arm_values, forced: bool) -> WindowMetrics:
+    def _roll_back(self, arm_losses, arm_values, forced: bool, train_losses=None) -> WindowMetrics:
         """Every arm diverged: restore the last converged params and halve the scale."""
         start = time.perf_counter()
         self.rollback.restore()
@@ -374,6 +411,7 @@ class HDET:
             converge_bytes=0,
             forced=forced,
             rolled_back=True,
+            arm_train_losses=train_losses,
         )
         self.history.append(metrics)
         self._loss_sum.zero_()

@@ -38,7 +38,7 @@ import os
 from typing import Any, Optional
 
 from hdet_megatron.args import add_hdet_args, hdet_config_from_args
-from hdet_megatron.config import HDETConfig
+from hdet_megatron.config import HDETConfig, HDETConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,16 @@ def config_from_args(args) -> Optional[HDETConfig]:
     """The run's :class:`HDETConfig` (None with ``--no-hdet`` or without the flags)."""
     if not hasattr(args, "hdet_period"):
         return None
-    return hdet_config_from_args(args)
+    config = hdet_config_from_args(args)
+    if config is not None and config.signal == "probe":
+        # The probe needs a forward pass on a batch shared by all arms; Megatron-LM's loop has no
+        # hook for it yet, so refuse before anything is built rather than at the first converge.
+        raise HDETConfigError(
+            "--hdet-signal probe is not supported through megatron.training yet (it needs a "
+            "forward pass on a batch shared by all arms): use --hdet-signal train, or "
+            "examples/pretrain_gpt/pretrain_gpt.py which provides the probe"
+        )
+    return config
 
 
 def on_pretrain_start() -> None:
