@@ -99,6 +99,9 @@ QUALITY_GROUPS = {
     "paper-low": ("x", "paper rule, from best/4"),
     "paper-high": ("+", "paper rule, from 4x best"),
     "arm-low": ("D", "grad_sync=arm, from best/4"),
+    "probe-best": ("v", "auto + probe signal, from best LR"),
+    "probe-low": ("*", "auto + probe signal, from best/4"),
+    "probe-high": ("h", "auto + probe signal, from 4x best"),
 }
 
 

@@ -14,7 +14,9 @@ the LR and the HDET flags differ. Runs:
 - ``auto-best`` / ``auto-low`` / ``auto-high``: HDET + auto controller from the best LR, from
   4x too low and from 4x too high;
 - ``paper-low`` / ``paper-high``: the same with the paper's absolute update rule;
-- ``arm-low``: ``--hdet-grad-sync arm`` from 4x too low (next to ``auto-low``, global sync).
+- ``arm-low``: ``--hdet-grad-sync arm`` from 4x too low (next to ``auto-low``, global sync);
+- ``probe-best`` / ``probe-low`` / ``probe-high``: the auto runs with ``--hdet-signal probe``
+  (arms compared on one shared unseen batch at each window's end instead of their own data).
 
 The HDET phase takes the best LR from the finished sweep of the same seed (or ``--best-lr``).
 A finished run (its ``final`` record present) is not run again, so an interrupted benchmark
@@ -61,13 +63,15 @@ def model_args(args: argparse.Namespace, data_prefix: str, seed: int) -> list[st
 
 
 def hdet_args(args: argparse.Namespace, auto: bool, rule: str = "relative",
-              grad_sync: str = "global", spread: float | None = None) -> list[str]:
+              grad_sync: str = "global", spread: float | None = None,
+              signal: str = "train") -> list[str]:
     """HDET flags of the benchmark (one setting for every HDET run, see BENCHMARKS.md)."""
     flags = [
         "--hdet-period", str(args.period),
         "--hdet-spread", f"{args.spread if spread is None else spread:.6g}",
         "--hdet-temperature", args.temperature, "--hdet-meta-lr", str(args.meta_lr),
         "--hdet-momentum", str(args.momentum), "--hdet-rule", rule, "--hdet-grad-sync", grad_sync,
+        "--hdet-signal", signal,
     ]
     return flags + ([] if auto else ["--no-hdet-auto"])
 
@@ -237,6 +241,9 @@ def main() -> None:
             ("paper-low", best / 4, hdet_args(args, auto=True, rule="paper")),
             ("paper-high", best * 4, hdet_args(args, auto=True, rule="paper")),
             ("arm-low", best / 4, hdet_args(args, auto=True, grad_sync="arm")),
+            ("probe-best", best, hdet_args(args, auto=True, signal="probe")),
+            ("probe-low", best / 4, hdet_args(args, auto=True, signal="probe")),
+            ("probe-high", best * 4, hdet_args(args, auto=True, signal="probe")),
         ]
         for name, lr, flags in plan:
             if args.only and name not in args.only:
@@ -307,8 +314,8 @@ def markdown_table(rows: list[dict]) -> str:
     lines = ["| run | seeds | start LR / best | final LR / best | valid loss (mean, min..max) "
              "| vs best sweep point (mean, min..max) | rank-s per run |",
              "|---|---:|---:|---:|---:|---:|---:|"]
-    order = ["spread", "spread-small", "auto-best", "auto-low", "paper-low", "arm-low",
-             "auto-high", "paper-high"]
+    order = ["spread", "spread-small", "auto-best", "probe-best", "auto-low", "probe-low",
+             "paper-low", "arm-low", "auto-high", "probe-high", "paper-high"]
     keys = sorted((k for k in groups if k.startswith("sweep")), key=lambda k: float(k[7:]))
     keys += [k for k in order if k in groups]
     for key in keys:
