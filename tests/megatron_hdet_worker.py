@@ -15,7 +15,6 @@ from hdet_megatron.megatron.runtime import HDET, main_params
 from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
 from tests.cross_arm import CrossArmBytes
 from megatron.core import parallel_state as ps
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 
@@ -86,10 +85,7 @@ def run(rank: int, world_size: int, sc: Scenario) -> dict:
 
             def probe_fn():
                 with torch.no_grad():
-                    losses = get_forward_backward_func()(
-                        forward_step_func=toy.forward_step, data_iterator=probe_data, model=model,
-                        num_microbatches=setup.num_microbatches, seq_length=setup.seq_length,
-                        micro_batch_size=setup.micro_batch_size, forward_only=True)
+                    losses = toy.forward_backward(setup, model, probe_data, forward_only=True)
                 out["probe_losses"].append(
                     float(torch.stack([o["lm loss"] for o in losses]).mean()) if losses else None)
                 return losses

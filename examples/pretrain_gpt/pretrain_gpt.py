@@ -23,6 +23,7 @@ incl. HDET controller state, data position, RNG).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -485,12 +486,26 @@ class Trainer:
             self.log(f"test split of --split {args.split} holds less than one sequence; no test evaluation")
             self.test_ds = None
 
-    def _iterator(self, dataset, consumed: int):
+    def _iterator(self, dataset, consumed: int, dp_rank: Optional[int] = None):
+        """Micro-batches of ``dataset`` from sample ``consumed`` on, in Megatron's order; the
+        slice of DP rank ``dp_rank`` (default: this rank's)."""
         from hdet_megatron.megatron import data as D
 
-        sampler = D.PretrainingSampler(len(dataset), consumed, self.args.micro_batch_size,
-                                       self.dp_rank, self.dp)
+        rank = self.dp_rank if dp_rank is None else dp_rank
+        sampler = D.PretrainingSampler(len(dataset), consumed, self.args.micro_batch_size, rank, self.dp)
         return D.batch_iterator(dataset, sampler, self.device if self.cuda else None)
+
+    @contextlib.contextmanager
+    def _evaluating(self):
+        """Model chunks in eval mode (dropout off) without autograd, restored afterwards."""
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            with self.torch.no_grad():
+                yield
+        finally:
+            for chunk in self.model:
+                chunk.train()
 
     # -- model and optimizer --------------------------------------------------------------------
     def _build_model(self) -> None:
@@ -670,22 +685,12 @@ class Trainer:
         shard. It is the same batch on every rank (sampler with DP rank 0 of ``self.dp``), and
         no arm has trained on it yet, so arms differ only by what their hyperparameters did
         in the window. Collective (a pipeline forward); dropout off, as in evaluation."""
-        from hdet_megatron.megatron import data as D
-
-        args, torch = self.args, self.torch
         start = self.consumed_train_samples
-        if start + args.global_batch_size > len(self.train_ds):
+        if start + self.args.global_batch_size > len(self.train_ds):
             start = 0  # the run's last window: every sample has been seen, any shared batch will do
-        sampler = D.PretrainingSampler(len(self.train_ds), start, args.micro_batch_size, 0, self.dp)
-        data = D.batch_iterator(self.train_ds, sampler, self.device if self.cuda else None)
-        for chunk in self.model:
-            chunk.eval()
-        try:
-            with torch.no_grad():
-                return self._forward_backward(data, forward_only=True)
-        finally:
-            for chunk in self.model:
-                chunk.train()
+        shared = self._iterator(self.train_ds, start, dp_rank=0)  # the same batch on every rank
+        with self._evaluating():
+            return self._forward_backward(shared, forward_only=True)
 
     # -- learning rates for the logs ---------------------------------------------------------------
     def lr_view(self) -> dict:
@@ -725,17 +730,13 @@ class Trainer:
         if dataset is None or args.eval_iters == 0:
             return None
         start = time.perf_counter()
-        for chunk in self.model:
-            chunk.eval()
         data = self._iterator(dataset, 0)  # the same batches every evaluation
         values = []
-        with torch.no_grad():
+        with self._evaluating():
             for _ in range(args.eval_iters):
                 loss = self._mean_loss(self._forward_backward(data, forward_only=True))
                 if loss is not None:
                     values.append(loss)
-        for chunk in self.model:
-            chunk.train()
         mean_vals = torch.stack(values).mean().reshape(1) if values else torch.zeros(1, device=self.device)
         means, per_arm = self.reduce_per_arm([mean_vals[0]] if self.is_reporter else [torch.zeros((), device=self.device)])
         loss = means[0]

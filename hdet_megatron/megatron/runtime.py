@@ -209,8 +209,9 @@ class HDET:
         device = self._main_params[0].device if self._main_params else torch.device("cpu")
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         # [controller signal per arm | reporting replicas per arm | ranks with non-finite params
-        #  per arm | window training loss per arm]
-        self._loss_reduce = torch.zeros(4 * self.layout.num_arms, dtype=torch.float64, device=device)
+        #  per arm | with signal="probe" only: window training loss per arm (else the signal)]
+        slots = 4 if config.signal == "probe" else 3
+        self._loss_reduce = torch.zeros(slots * self.layout.num_arms, dtype=torch.float64, device=device)
         self.rollback = RollbackStore(self._main_params, rollback_dir) if config.rollback else None
         self.rollbacks = 0
         self.iteration = 0
@@ -312,32 +313,40 @@ class HDET:
             )
         return self._step_loss(losses)
 
-    def _reduce_arm_losses(self) -> tuple[list[float], list[bool], list[float]]:
-        """Per arm: the controller's signal, whether any of its ranks holds non-finite params,
-        and the mean window training loss."""
+    def _reduce_arm_losses(
+        self, probe: Optional[torch.Tensor]
+    ) -> tuple[list[float], list[bool], list[float]]:
+        """Per arm: the controller's signal (``probe``'s value where given, else the mean window
+        training loss), whether any of its ranks holds non-finite params, and the mean window
+        training loss."""
         a = self.layout.num_arms
-        probe = self._probe_loss() if self.config.signal == "probe" else None
         buf = self._loss_reduce
         buf.zero_()
         if self.layout.is_loss_reporter:
             train = self._loss_sum / self.steps_in_window
-            buf[self.layout.arm] = train if probe is None else probe
             buf[a + self.layout.arm] = 1.0
-            buf[3 * a + self.layout.arm] = train
+            if self.config.signal == "probe":
+                buf[self.layout.arm] = probe
+                buf[3 * a + self.layout.arm] = train
+            else:
+                buf[self.layout.arm] = train
         # Every rank checks its own (shard of the) main params; device-side, no extra sync.
         finite = torch.stack([torch.isfinite(p).all() for p in self._main_params]).all()
         buf[2 * a + self.layout.arm] = (~finite).to(buf.dtype)
         dist.all_reduce(buf, group=self.layout.loss_group)
         values = buf.tolist()
-        sums, counts, bad, train = (values[i * a : (i + 1) * a] for i in range(4))
-        losses = [s / c if c > 0 else math.nan for s, c in zip(sums, counts)]
-        train_losses = [s / c if c > 0 else math.nan for s, c in zip(train, counts)]
-        return losses, [b > 0 for b in bad], train_losses
+        sums, counts, bad = values[:a], values[a : 2 * a], values[2 * a : 3 * a]
+        train = values[3 * a :] or sums
+
+        def per_arm(totals):
+            return [s / c if c > 0 else math.nan for s, c in zip(totals, counts)]
+
+        return per_arm(sums), [b > 0 for b in bad], per_arm(train)
 
     def _end_window(self, forced: bool) -> WindowMetrics:
         self._check_param_groups_unchanged()
-        # The one host sync of the window (after the probe's forward with signal="probe").
-        arm_losses, bad_params, train_losses = self._reduce_arm_losses()
+        probe = self._probe_loss() if self.config.signal == "probe" else None
+        arm_losses, bad_params, train_losses = self._reduce_arm_losses(probe)  # the one host sync
         # An arm whose parameters blew up is as bad as an infinite loss, whatever it reported.
         arm_losses = [math.inf if bad else loss for loss, bad in zip(arm_losses, bad_params)]
         excluded = [a for a, loss in enumerate(arm_losses) if not math.isfinite(loss)]
@@ -385,7 +394,7 @@ class HDET:
         self.scheduler.set_window(self.scheduler.window + 1)
         return metrics
 
-    def _roll_back(self, arm_losses, arm_values, forced: bool, train_losses=None) -> WindowMetrics:
+    def _roll_back(self, arm_losses, arm_values, forced: bool, train_losses) -> WindowMetrics:
         """Every arm diverged: restore the last converged params and halve the scale."""
         start = time.perf_counter()
         self.rollback.restore()

@@ -212,17 +212,23 @@ def train_step(setup: ToyGPTSetup, model: list, optimizer, data_iterator) -> tup
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = get_forward_backward_func()(
+    losses = forward_backward(setup, model, data_iterator, forward_only=False)
+    update_successful, _grad_norm, _zeros = optimizer.step()
+    return losses, update_successful
+
+
+def forward_backward(setup: ToyGPTSetup, model: list, data_iterator, forward_only: bool) -> list:
+    """Megatron's pipeline schedule over ``setup.num_microbatches`` microbatches; returns the
+    per-microbatch loss dicts (empty on non-last pipeline stages)."""
+    return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=data_iterator,
         model=model,
         num_microbatches=setup.num_microbatches,
         seq_length=setup.seq_length,
         micro_batch_size=setup.micro_batch_size,
-        forward_only=False,
+        forward_only=forward_only,
     )
-    update_successful, _grad_norm, _zeros = optimizer.step()
-    return losses, update_successful
 
 
 def data_iterator_for_rank(setup: ToyGPTSetup, base_seed: int = 0):
