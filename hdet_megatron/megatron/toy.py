@@ -74,6 +74,11 @@ class ToyGPTSetup:
     """Attention dropout probability."""
     extra_parallel_kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments for ``initialize_model_parallel``."""
+    cuda: bool = False
+    """Model and batches on the current CUDA device (Megatron's GPU initialization, so weights
+    differ from the CPU run's but agree across DP replicas). Needs CUDA; CPU shims then off."""
+    transformer_impl: str = "local"
+    """Layer spec: ``local`` (Megatron-Core modules) or ``transformer_engine`` (needs TE + CUDA)."""
 
 
 def init_parallel(setup: ToyGPTSetup) -> None:
@@ -104,7 +109,9 @@ def transformer_config(setup: ToyGPTSetup) -> TransformerConfig:
         num_layers=setup.num_layers,
         hidden_size=setup.hidden_size,
         num_attention_heads=setup.num_attention_heads,
-        use_cpu_initialization=True,
+        # On CUDA: Megatron's GPU path (weights drawn on the device from the model-parallel RNG
+        # tracker, seeded identically on every DP replica).
+        use_cpu_initialization=not setup.cuda,
         tensor_model_parallel_size=setup.tp,
         pipeline_model_parallel_size=setup.pp,
         pipeline_dtype=_dtype(setup),
@@ -121,17 +128,30 @@ def transformer_config(setup: ToyGPTSetup) -> TransformerConfig:
     )
 
 
+def layer_spec(setup: ToyGPTSetup):
+    """The GPT layer spec of ``setup.transformer_impl``."""
+    if setup.transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    if setup.transformer_impl != "local":
+        raise ValueError(f"transformer_impl={setup.transformer_impl!r}: use 'local' or 'transformer_engine'")
+    return get_gpt_layer_local_spec()
+
+
 def build_model(setup: ToyGPTSetup, ddp_group_kwargs: Optional[dict] = None) -> list:
     """GPTModel chunk(s) on this rank, wrapped in Megatron DDP. Returns the list of chunks."""
     config = transformer_config(setup)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=layer_spec(setup),
         vocab_size=setup.vocab_size,
         max_sequence_length=setup.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
     )
+    if setup.cuda:
+        model.cuda(torch.cuda.current_device())
     if setup.bf16 or setup.fp16:
         from megatron.core.transformer.module import Float16Module
 
@@ -234,7 +254,11 @@ def forward_backward(setup: ToyGPTSetup, model: list, data_iterator, forward_onl
 def data_iterator_for_rank(setup: ToyGPTSetup, base_seed: int = 0):
     """Batches for this rank: one stream per DP replica, shared by its TP/PP ranks."""
     dp_rank = parallel_state.get_data_parallel_rank()
-    return synthetic_batches(setup, seed=base_seed * 1000 + dp_rank)
+    batches = synthetic_batches(setup, seed=base_seed * 1000 + dp_rank)
+    if not setup.cuda:
+        return batches
+    device = torch.device("cuda", torch.cuda.current_device())
+    return ({k: v.to(device, non_blocking=True) for k, v in b.items()} for b in batches)
 
 
 @contextlib.contextmanager
