@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from hdet_megatron.averaging import BucketedAverager
 from hdet_megatron.config import HDETConfig
-from hdet_megatron.torch_scheduler import _Runtime
+from hdet_megatron.torch_runtime import _Runtime
 
 __all__ = [
     "FSDP2GradSync",

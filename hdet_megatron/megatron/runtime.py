@@ -30,6 +30,7 @@ from hdet_megatron.averaging import BucketedAverager
 from hdet_megatron.config import HDETConfig
 from hdet_megatron.controller import AllArmsNonFinite, ControllerUpdate
 from hdet_megatron.megatron import cpu as _cpu  # noqa: F401
+from hdet_megatron.megatron.ckpt import state as ckpt_state
 from hdet_megatron.megatron.grad_sync import ArmGradSync
 from hdet_megatron.megatron.layout import ArmLayout, HDETSetupError
 from hdet_megatron.megatron.module_axes import ModuleAxes
@@ -451,23 +452,17 @@ class HDET:
     # -- state -----------------------------------------------------------------------------------
     def runtime_state_dict(self) -> dict:
         """Iteration, steps in the window and the partial window's per-arm loss sums; the same on
-        every rank (see ``checkpointing.runtime_state_dict``)."""
-        from hdet_megatron.megatron.checkpointing import runtime_state_dict
-
-        return runtime_state_dict(self)
+        every rank (see ``ckpt.state.runtime_state_dict``)."""
+        return ckpt_state.runtime_state_dict(self)
 
     def load_runtime_state_dict(self, state: dict) -> None:
-        from hdet_megatron.megatron.checkpointing import load_runtime_state
-
-        load_runtime_state(self, state)
+        ckpt_state.load_runtime_state(self, state)
 
     def prepare_save(self) -> Optional[WindowMetrics]:
         """Call on every rank before writing a checkpoint: converges a partial window when
         ``config.converge_on_save`` (returns its metrics), else records the window's per-arm
         losses for the checkpoint. ``checkpointing.save_checkpoint`` calls it for you."""
-        from hdet_megatron.megatron.checkpointing import prepare_save
-
-        return prepare_save(self)
+        return ckpt_state.prepare_save(self)
 
     def state_dict(self) -> dict:
         """Controller + window + runtime state (also inside ``scheduler.state_dict()["hdet"]``)."""

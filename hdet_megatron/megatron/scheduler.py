@@ -18,6 +18,8 @@ import torch
 from hdet_megatron.config import HDETConfig
 from hdet_megatron.controller import AutoController
 from hdet_megatron.megatron import cpu as _cpu  # noqa: F401
+from hdet_megatron.megatron.ckpt import resume as ckpt_resume
+from hdet_megatron.megatron.ckpt import state as ckpt_state
 from hdet_megatron.megatron.layout import ArmLayout, HDETSetupError
 from hdet_megatron.spread import arm_axis_value, arm_spread
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -195,7 +197,7 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
                 group["lr"] = self._apply(lr_axis, lr)
             group["weight_decay"] = self._apply("weight_decay", group["weight_decay"])
 
-    # -- checkpoints (rules and formats: hdet_megatron/megatron/checkpointing.py) ---------------
+    # -- checkpoints (state and resume rules: hdet_megatron/megatron/ckpt/) ---------------------
     #: On load, whose HDET config wins when it differs from the checkpoint's: True = this run's,
     #: False = the checkpoint's, None = follow Megatron's ``override_opt_param_scheduler`` /
     #: ``use_checkpoint_opt_param_scheduler`` (default: the checkpoint's).
@@ -215,9 +217,7 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
     def hdet_runtime(self, runtime) -> None:
         self.__dict__["_hdet_runtime"] = runtime
         if runtime is not None and self._hdet_pending_runtime is not None:
-            from hdet_megatron.megatron.checkpointing import attach_runtime
-
-            attach_runtime(self, runtime)
+            ckpt_resume.attach_runtime(self, runtime)
 
     def state_dict(self) -> dict:
         state = super().state_dict()
@@ -226,18 +226,12 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
 
     def hdet_state_dict(self) -> dict:
         """HDET's state (controller, window/generator position, runtime, config fingerprint)."""
-        from hdet_megatron.megatron.checkpointing import hdet_state_dict
-
-        return hdet_state_dict(self)
+        return ckpt_state.hdet_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Megatron's fields plus HDET state; a plain Megatron state (no ``"hdet"``) starts the
         controller at scale 1. HDET state is validated before anything is modified."""
-        from hdet_megatron.megatron.checkpointing import load_scheduler_state
-
-        load_scheduler_state(self, state_dict, super().load_state_dict)
+        ckpt_resume.load_scheduler_state(self, state_dict, super().load_state_dict)
 
     def load_hdet_state_dict(self, state: dict, override: Optional[bool] = None) -> None:
-        from hdet_megatron.megatron.checkpointing import apply_hdet_load, plan_hdet_load
-
-        apply_hdet_load(self, plan_hdet_load(self, state, override))
+        ckpt_resume.apply_hdet_load(self, ckpt_resume.plan_hdet_load(self, state, override))
