@@ -20,8 +20,9 @@ Flags: ``--no-hdet``, ``--hdet-period``, ``--hdet-arms``, ``--hdet-grad-sync``,
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import replace
-from typing import Optional, Union
+from typing import Mapping, Optional, Union
 
 from hdet_megatron.config import Axis, HDETConfig, HDETConfigError, parse_axis
 
@@ -87,10 +88,36 @@ def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+#: HDETConfig field -> the ``--hdet-*`` flag that sets it (error messages name the flag).
+HDET_FLAGS: dict[str, str] = {
+    "period": "--hdet-period", "arms": "--hdet-arms", "grad_sync": "--hdet-grad-sync",
+    "axes": "--hdet-axis", "auto_start": "--hdet-auto-start", "temperature": "--hdet-temperature",
+    "meta_lr": "--hdet-meta-lr", "momentum": "--hdet-momentum", "scale_bounds": "--hdet-scale-bounds",
+    "rule": "--hdet-rule", "seed": "--hdet-seed", "bucket_mb": "--hdet-bucket-mb",
+    "nonfinite": "--hdet-nonfinite", "signal": "--hdet-signal",
+}
+
+_FIELD = re.compile(r"^(?:HDETConfig\.(?P<field>\w+)=|Axis\b)")
+
+
+def name_the_flag(message: str, flags: Mapping[str, str] = HDET_FLAGS) -> str:
+    """Prefix an :class:`HDETConfigError` message with the command-line flag of its field.
+
+    ``"HDETConfig.period=0: must be ..."`` -> ``"--hdet-period: HDETConfig.period=0: must be ..."``;
+    ``Axis(...)`` messages get the axis flag (``flags["axes"]``). Messages that already start
+    with a flag, or whose field has no flag, are returned unchanged.
+    """
+    match = _FIELD.match(message)
+    if not match:
+        return message
+    flag = flags.get(match.group("field") or "axes")
+    return f"{flag}: {message}" if flag else message
+
+
 def hdet_config_from_args(args: argparse.Namespace) -> Optional[HDETConfig]:
     """The :class:`HDETConfig` the flags describe, or None with ``--no-hdet``.
 
-    Raises :class:`HDETConfigError` (naming the flag's field) for bad values.
+    Raises :class:`HDETConfigError` (naming the flag and the field) for bad values.
     """
     if not getattr(args, "hdet", True):
         return None
@@ -98,13 +125,27 @@ def hdet_config_from_args(args: argparse.Namespace) -> Optional[HDETConfig]:
         raise HDETConfigError(
             "--hdet-spread and --hdet-axis conflict: give the LR spread inside --hdet-axis lr:SPREAD"
         )
-    if args.hdet_axis:
-        axes = tuple(parse_axis(text) for text in args.hdet_axis)
-    else:
-        spread = _DEFAULT.axes[0].spread if args.hdet_spread is None else args.hdet_spread
-        axes = (Axis("lr", spread),)
-    if args.hdet_spread_kind != "linear":
-        axes = tuple(a if a.additive else replace(a, kind=args.hdet_spread_kind) for a in axes)
+    flags = dict(HDET_FLAGS)
+    try:
+        if args.hdet_axis:
+            axes = []
+            for text in args.hdet_axis:
+                flags["axes"] = f"--hdet-axis {text}"
+                axes.append(parse_axis(text))
+            axes = tuple(axes)
+            flags["axes"] = "--hdet-axis"
+        else:
+            flags["axes"] = "--hdet-spread"
+            spread = _DEFAULT.axes[0].spread if args.hdet_spread is None else args.hdet_spread
+            axes = (Axis("lr", spread),)
+        if args.hdet_spread_kind != "linear":
+            axes = tuple(a if a.additive else replace(a, kind=args.hdet_spread_kind) for a in axes)
+        return _config(args, axes)
+    except HDETConfigError as exc:
+        raise HDETConfigError(name_the_flag(str(exc), flags)) from None
+
+
+def _config(args: argparse.Namespace, axes: tuple) -> HDETConfig:
     return HDETConfig(
         period=args.hdet_period,
         arms=args.hdet_arms,

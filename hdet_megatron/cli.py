@@ -14,10 +14,13 @@ in :data:`SUBCOMMANDS`; to add one, write the pair and append it there.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, Optional, Sequence
 
+from hdet_megatron.args import name_the_flag
 from hdet_megatron.config import Axis, HDETConfig, HDETConfigError
+from hdet_megatron.preflight import OneLineParser, fail, integer, number
 
 __all__ = ["main", "build_parser"]
 
@@ -29,9 +32,18 @@ def _temperature(text: str):
     if text == "auto":
         return "auto"
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--sigma must be a number or 'auto', got {text!r}") from None
+        value = float("nan")
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number > 0 or 'auto', got {text!r}")
+    return value
+
+
+#: HDETConfig field -> the simulate flag that sets it (errors name the flag).
+_SIMULATE_FLAGS = {"period": "--period", "axes": "--spread", "temperature": "--sigma",
+                   "meta_lr": "--meta-lr", "momentum": "--momentum", "rule": "--rule",
+                   "grad_sync": "--grad-sync", "seed": "--seed"}
 
 
 def _add_simulate(subparsers) -> None:
@@ -44,29 +56,32 @@ def _add_simulate(subparsers) -> None:
             "--base-lr-factor times that optimum (or --base-lr)."
         ),
     )
-    p.add_argument("--arms", type=int, default=8, help="number of arms (default 8)")
-    p.add_argument("--replicas-per-arm", type=int, default=1, help="replicas per arm (default 1)")
-    p.add_argument("--period", type=int, default=100, help="converge period T in steps (default 100)")
-    p.add_argument("--spread", type=float, default=1.0 / 9.0, help="LR spread alpha (default 1/9)")
+    p.add_argument("--arms", type=integer(1, 4096), default=8, help="number of arms (default 8)")
+    p.add_argument("--replicas-per-arm", type=integer(1, 4096), default=1,
+                   help="replicas per arm (default 1)")
+    p.add_argument("--period", type=integer(1), default=100, help="converge period T in steps (default 100)")
+    p.add_argument("--spread", type=number(0), default=1.0 / 9.0,
+                   help="LR spread alpha (default 1/9; < 1 with --kind linear)")
     p.add_argument("--kind", choices=("linear", "log"), default="linear", help="spread kind")
     p.add_argument(
         "--sigma", type=_temperature, default="auto",
         help="softmax temperature, a number or 'auto' (default auto: the arm losses' std)",
     )
-    p.add_argument("--meta-lr", type=float, default=0.5, help="controller meta LR lambda (default 0.5)")
-    p.add_argument("--momentum", type=float, default=0.9, help="controller momentum beta (default 0.9)")
+    p.add_argument("--meta-lr", type=number(0), default=0.5, help="controller meta LR lambda (default 0.5)")
+    p.add_argument("--momentum", type=number(0, below=1), default=0.9,
+                   help="controller momentum beta in [0, 1) (default 0.9)")
     p.add_argument("--rule", choices=("relative", "paper"), default="relative", help="update rule")
     p.add_argument("--grad-sync", choices=("global", "arm"), default="global", help="gradient sync mode")
     lr = p.add_mutually_exclusive_group()
     lr.add_argument(
-        "--base-lr-factor", type=float, default=4.0,
+        "--base-lr-factor", type=number(above=0), default=4.0,
         help="base LR as a multiple of the problem's optimum LR (default 4: too high)",
     )
-    lr.add_argument("--base-lr", type=float, default=None, help="absolute base LR")
-    p.add_argument("--steps", type=int, default=20000, help="training steps (default 20000)")
-    p.add_argument("--dim", type=int, default=16, help="problem dimension (default 16)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--every", type=int, default=10, help="print every k-th window (default 10)")
+    lr.add_argument("--base-lr", type=number(above=0), default=None, help="absolute base LR")
+    p.add_argument("--steps", type=integer(1), default=20000, help="training steps (default 20000)")
+    p.add_argument("--dim", type=integer(1, 100000), default=16, help="problem dimension (default 16)")
+    p.add_argument("--seed", type=integer(0), default=0, help="random seed (default 0)")
+    p.add_argument("--every", type=integer(1), default=10, help="print every k-th window (default 10)")
     p.add_argument("--rollback", action="store_true", help="roll back instead of stopping when all arms diverge")
 
 
@@ -87,12 +102,13 @@ def _run_simulate(args: argparse.Namespace) -> int:
             rollback=args.rollback,
         )
         problem = NQMProblem(dim=args.dim)
-    except (HDETConfigError, ValueError) as exc:
-        print(f"hdet simulate: {exc}", file=sys.stderr)
-        return 2
-    if args.every < 1:
-        print("hdet simulate: --every must be >= 1", file=sys.stderr)
-        return 2
+    except HDETConfigError as exc:
+        return fail("hdet simulate", name_the_flag(str(exc), _SIMULATE_FLAGS))
+    except ValueError as exc:
+        return fail("hdet simulate", str(exc))
+    if args.steps < args.period:
+        return fail("hdet simulate", f"--steps {args.steps} is shorter than one window (--period "
+                    f"{args.period}): give --steps >= --period")
     replicas = args.arms * args.replicas_per_arm
     optimum = best_lr(problem, replicas)
     base = args.base_lr if args.base_lr is not None else args.base_lr_factor * optimum
@@ -102,11 +118,10 @@ def _run_simulate(args: argparse.Namespace) -> int:
             dim=args.dim, seed=args.seed, problem=problem,
         )
     except AllArmsNonFinite as exc:
-        print(f"hdet simulate: {exc}", file=sys.stderr)
+        fail("hdet simulate", f"{exc} (lower --base-lr/--base-lr-factor, or pass --rollback)")
         return 1
     except ValueError as exc:
-        print(f"hdet simulate: {exc}", file=sys.stderr)
-        return 2
+        return fail("hdet simulate", str(exc))
 
     print(
         f"# NQM dim={args.dim}, {args.arms} arms x {args.replicas_per_arm} replicas, "
@@ -146,17 +161,29 @@ def _add_report(subparsers) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="directory of an HDET training run (--run-dir / --save)")
     p.add_argument("-o", "--output", default=None, help="PNG path (default RUN_DIR/report.png)")
     p.add_argument("--no-plot", action="store_true", help="text summary only")
-    p.add_argument("--smooth", type=int, default=None, help="EMA span for the loss curves (default: steps/40)")
+    p.add_argument("--smooth", type=integer(1), default=None,
+                   help="EMA span for the loss curves (default: steps/40)")
 
 
 def _run_report(args: argparse.Namespace) -> int:
     from hdet_megatron.report import ReportError, report
 
+    if args.output is not None:
+        if args.no_plot:
+            return fail("hdet report", "-o/--output conflicts with --no-plot: drop one of them")
+        parent = os.path.dirname(os.path.abspath(args.output))
+        if os.path.isdir(args.output) or not args.output.lower().endswith(".png"):
+            return fail("hdet report", f"-o {args.output}: expected a PNG file path ending in .png")
+        if not os.path.isdir(parent):
+            return fail("hdet report", f"-o {args.output}: directory {parent} does not exist; "
+                        "create it or write the PNG elsewhere")
     try:
         text, png = report(args.run_dir, args.output, make_plot=not args.no_plot, smooth=args.smooth)
     except ReportError as exc:
-        print(f"hdet report: {exc}", file=sys.stderr)
-        return 2
+        return fail("hdet report", str(exc))
+    except OSError as exc:  # e.g. the PNG cannot be written
+        return fail("hdet report", f"{exc.filename or args.run_dir}: {exc.strerror or exc}; "
+                    "pass -o PATH somewhere writable, or --no-plot")
     print(text)
     if png:
         print(f"plot: {png}")
@@ -174,7 +201,7 @@ SUBCOMMANDS: dict[str, tuple[Callable, Callable[[argparse.Namespace], int]]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``hdet`` argument parser with every registered subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="hdet", description="Hyperparameter-Divergent Ensemble Training (HDET) tools"
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")

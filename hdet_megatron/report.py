@@ -63,12 +63,21 @@ def _dedupe(records: list[dict], key=lambda r: r.get("iteration")) -> list[dict]
 
 
 def load_run(run_dir: str) -> Run:
+    hint = f"is {run_dir!r} the --run-dir (or --save) of a pretrain_gpt.py run?"
+    if not os.path.exists(run_dir):
+        raise ReportError(f"no {METRICS_FILE} in {run_dir} (no such directory); {hint}")
+    path = os.path.join(run_dir, METRICS_FILE) if os.path.isdir(run_dir) else run_dir
     try:
         records = read_metrics(run_dir)
     except FileNotFoundError as exc:
-        raise ReportError(f"{exc}; is {run_dir!r} the --run-dir (or --save) of a pretrain_gpt.py run?") from None
+        raise ReportError(f"{exc}; {hint}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ReportError(f"{path} is unreadable ({getattr(exc, 'strerror', None) or exc}); {hint}") from None
     if not records:
-        raise ReportError(f"{os.path.join(run_dir, METRICS_FILE)} is empty")
+        raise ReportError(f"{path} is empty (no complete record); {hint}")
+    records = [r for r in records if isinstance(r, dict) and isinstance(r.get("type"), str)]
+    if not records:
+        raise ReportError(f"{path} holds no HDET metrics records (another program's file?); {hint}")
     run = Run(run_dir=run_dir)
     by_type: dict[str, list[dict]] = {}
     for r in records:

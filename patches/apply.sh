@@ -29,20 +29,36 @@ usage() { sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 die() { local code=$1; shift; echo "apply.sh: error: $*" >&2; exit "$code"; }
 say() { echo "apply.sh: $*"; }
 
+hint="(apply.sh --help lists the options)"
+set_action() {  # one action per call: --reverse and --status conflict with each other
+    if [[ -n "$explicit_action" && "$explicit_action" != "$2" ]]; then
+        die 2 "$explicit_action conflicts with $2: give one action $hint"
+    fi
+    explicit_action=$2; action=$1
+}
+explicit_action=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --dry-run|--check) dry_run=1 ;;
-        --reverse|-R) action=reverse ;;
-        --status) action=status ;;
-        --target) [[ $# -ge 2 ]] || die 2 "--target needs a directory"; target="$2"; shift ;;
-        --target=*) target="${1#--target=}" ;;
-        --python) [[ $# -ge 2 ]] || die 2 "--python needs an interpreter"; python="$2"; shift ;;
-        --python=*) python="${1#--python=}" ;;
+        --reverse|-R) set_action reverse "$1" ;;
+        --status) set_action status "$1" ;;
+        --target|--python)
+            [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || die 2 "$1 needs a value: $1 $([[ $1 == --target ]] && echo DIR || echo PYTHON) $hint"
+            if [[ $1 == --target ]]; then target="$2"; else python="$2"; fi; shift ;;
+        --target=*) target="${1#--target=}"; [[ -n "$target" ]] || die 2 "--target= needs a directory $hint" ;;
+        --python=*) python="${1#--python=}"; [[ -n "$python" ]] || die 2 "--python= needs an interpreter $hint" ;;
         -h|--help) usage; exit 0 ;;
-        *) usage >&2; die 2 "unknown argument: $1" ;;
+        *) die 2 "unknown argument: $1 $hint" ;;
     esac
     shift
 done
+if [[ $dry_run == 1 && $action == status ]]; then
+    die 2 "--dry-run conflicts with --status (--status changes nothing already) $hint"
+fi
+if [[ -n "$target" && ! -d "$target/megatron/training" ]]; then
+    [[ -d "$target" ]] || die 2 "--target $target: no such directory; give a directory holding megatron/training"
+    die 2 "--target $target has no megatron/training/ inside: give the directory above megatron/ (e.g. a copy of site-packages)"
+fi
 
 command -v patch >/dev/null 2>&1 || die 3 "GNU patch is not installed (apt-get install patch)"
 command -v "$python" >/dev/null 2>&1 || die 3 "python interpreter '$python' not found (use --python)"
@@ -70,7 +86,7 @@ spec = importlib.util.find_spec("megatron.training")
 loc = list(spec.submodule_search_locations)[0] if spec and spec.submodule_search_locations else ""
 print(os.path.abspath(loc) if loc else "")
 EOF
-)" || die 3 "could not query megatron-core with $python"
+)" || die 3 "could not query megatron-core with $python: give --python an interpreter that has megatron-core==$TARGET_VERSION"
 
 if [[ "$info" == "NONE" ]]; then
     die 3 "megatron-core is not installed for $python; install megatron-core==$TARGET_VERSION first"
