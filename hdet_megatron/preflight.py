@@ -16,6 +16,7 @@ Importing it must stay cheap: the launch scripts run it once before ``torchrun``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -25,7 +26,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 __all__ = [
     "InputError", "OneLineParser", "integer", "number", "merge_defaults", "check_checkpoint",
-    "check_run_dir", "fail",
+    "check_run_dir", "fresh_run_dir", "fail",
 ]
 
 #: Exit code of every usage / bad-input error (argparse's).
@@ -289,10 +290,25 @@ def last_run_record(run_dir: str) -> Optional[dict]:
     return last
 
 
+_FRESH = [False]
+
+
+@contextlib.contextmanager
+def fresh_run_dir(fresh: bool = True):
+    """Inside: :func:`check_run_dir` accepts any directory (the launcher empties it first)."""
+    saved, _FRESH[0] = _FRESH[0], bool(fresh)
+    try:
+        yield
+    finally:
+        _FRESH[0] = saved
+
+
 def check_run_dir(run_dir: str, args: Any, flag: str = "--run-dir",
                   model_flags: Iterable[str] = MODEL_FLAGS) -> None:
     """Refuse a run (or checkpoint) directory written by another job: its last run record has
     other model flags than ``args``. Raises :class:`InputError` naming the flags and the fix."""
+    if _FRESH[0]:
+        return
     if not run_dir or not os.path.isdir(run_dir):
         if run_dir and os.path.exists(run_dir):
             raise InputError(f"{flag} {run_dir} is a file, not a directory: give a directory")

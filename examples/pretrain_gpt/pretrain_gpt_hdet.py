@@ -200,9 +200,24 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 train_valid_test_datasets_provider.is_distributed = True
 
 
+ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
+
+
 def main() -> None:
     require_patched()
-    args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    # Megatron-LM's and HDET's flag checks and the input files, on every rank before any work:
+    # rank 0 prints one line, every rank exits 2 (launchers run the same check once before
+    # torchrun: examples/pretrain_gpt/check_args.py).
+    from check_args import check_megatron
+    from hdet_megatron.preflight import InputError, fail
+
+    try:
+        check_megatron(sys.argv[1:], int(os.environ.get("WORLD_SIZE", "1")), args_defaults=ARGS_DEFAULTS)
+    except InputError as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            fail("pretrain_gpt_hdet.py", str(exc))
+        sys.exit(2)
+    args = parse_and_validate_args(args_defaults=ARGS_DEFAULTS)
     pretrain(
         pretrain_cfg_container_from_args(args),
         train_valid_test_datasets_provider,

@@ -8,14 +8,17 @@
 # Environment (defaults in brackets): GPUS_PER_NODE [all visible], NNODES [1], NODE_RANK [0],
 # MASTER_ADDR [localhost], MASTER_PORT [29500], TP [1], PP [1], DATA_PATH [unset: --mock-data],
 # VOCAB_FILE/MERGE_FILE (GPT2BPETokenizer, with DATA_PATH), CKPT_DIR [/workspace/checkpoints],
-# TRAIN_ITERS [10000], GLOBAL_BATCH [256], MICRO_BATCH [4]. Extra arguments are passed on to
-# pretrain_gpt_hdet.py (e.g. --hdet-period 500 --hdet-spread 0.1111 --no-hdet).
+# TRAIN_ITERS [10000], GLOBAL_BATCH [256], MICRO_BATCH [4], PYTHON [python]. Extra arguments are
+# passed on to pretrain_gpt_hdet.py and replace the default of the same flag (e.g. --hdet-period
+# 500, --hdet-axis lr:0.2, --no-hdet); all are checked for the world before torchrun starts (one
+# error line, exit code 2; CHECK_ONLY=1: check and stop). Exit code 3: megatron.training unpatched.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
+PYTHON=${PYTHON:-python}
 if [[ -z "${GPUS_PER_NODE:-}" ]]; then
     GPUS_PER_NODE=$(nvidia-smi -L 2>/dev/null | wc -l)
-    [[ "$GPUS_PER_NODE" -gt 0 ]] || { echo "no GPU visible; set GPUS_PER_NODE" >&2; exit 2; }
+    [[ "$GPUS_PER_NODE" -gt 0 ]] || { echo "pretrain_gpt_hdet.sh: error: no GPU visible: set GPUS_PER_NODE" >&2; exit 2; }
 fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
@@ -23,32 +26,54 @@ MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-29500}
 TP=${TP:-1}
 PP=${PP:-1}
+for var in GPUS_PER_NODE NNODES TP PP; do
+    [[ "${!var}" =~ ^[1-9][0-9]*$ ]] || { echo "pretrain_gpt_hdet.sh: error: $var=${!var}: expected an integer >= 1" >&2; exit 2; }
+done
+[[ "$NODE_RANK" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$NNODES" ]] \
+    || { echo "pretrain_gpt_hdet.sh: error: NODE_RANK=$NODE_RANK: expected an integer in [0, NNODES-1 = $((NNODES - 1))]" >&2; exit 2; }
 CKPT_DIR=${CKPT_DIR:-/workspace/checkpoints}
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 
 if [[ -n "${DATA_PATH:-}" ]]; then
+    if [[ -z "${VOCAB_FILE:-}" || -z "${MERGE_FILE:-}" ]]; then
+        echo "pretrain_gpt_hdet.sh: error: DATA_PATH needs the GPT-2 tokenizer files: set VOCAB_FILE and MERGE_FILE (or unset DATA_PATH for --mock-data)" >&2
+        exit 2
+    fi
     DATA_ARGS=(--data-path "$DATA_PATH" --split 969,30,1 --tokenizer-type GPT2BPETokenizer
-               --vocab-file "${VOCAB_FILE:?set VOCAB_FILE}" --merge-file "${MERGE_FILE:?set MERGE_FILE}")
+               --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE")
 else
     DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50257)
 fi
 
 # bash patches/apply.sh --status exits 1 when the patch is missing: say so before 8 GPUs start.
-bash patches/apply.sh --status >/dev/null || { bash patches/apply.sh --status; exit 3; }
+PYTHON="$PYTHON" bash patches/apply.sh --status >/dev/null || { PYTHON="$PYTHON" bash patches/apply.sh --status; exit 3; }
 
-exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
+# Defaults; an extra argument replaces the default of the same flag (--hdet-axis replaces
+# --hdet-spread, --no-hdet every --hdet-* default).
+DEFAULTS=(
+    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+    --num-layers 12 --hidden-size 768 --num-attention-heads 12
+    --seq-length 1024 --max-position-embeddings 1024
+    --micro-batch-size "${MICRO_BATCH:-4}" --global-batch-size "${GLOBAL_BATCH:-256}"
+    --train-iters "${TRAIN_ITERS:-10000}" --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine
+    --lr-warmup-iters 500 --weight-decay 0.1 --clip-grad 1.0 --bf16
+    --transformer-impl transformer_engine
+    "${DATA_ARGS[@]}"
+    --save "$CKPT_DIR" --load "$CKPT_DIR" --save-interval 1000 --ckpt-format torch_dist
+    --log-interval 10 --eval-interval 1000 --eval-iters 10
+    --tensorboard-dir "$CKPT_DIR/tensorboard"
+    --hdet-period 500 --hdet-spread 0.1111
+)
+# Megatron-LM's and HDET's checks for the whole world, once, before torchrun starts a rank: a bad
+# flag or file is one error line and exit code 2.
+ARGS_FILE=$(mktemp)
+$PYTHON examples/pretrain_gpt/check_args.py --script pretrain_gpt_hdet.py --prog pretrain_gpt_hdet.sh \
+    --world-size $(( NNODES * GPUS_PER_NODE )) --print0 --defaults "${#DEFAULTS[@]}" -- "${DEFAULTS[@]}" "$@" \
+    > "$ARGS_FILE" || { rc=$?; rm -f "$ARGS_FILE"; exit "$rc"; }
+mapfile -d '' -t ARGS < "$ARGS_FILE"
+rm -f "$ARGS_FILE"
+[[ "${CHECK_ONLY:-0}" != 1 ]] || { echo "pretrain_gpt_hdet.sh: flags OK for world $(( NNODES * GPUS_PER_NODE ))"; exit 0; }
+
+exec $PYTHON -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-    examples/pretrain_gpt/pretrain_gpt_hdet.py \
-    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
-    --num-layers 12 --hidden-size 768 --num-attention-heads 12 \
-    --seq-length 1024 --max-position-embeddings 1024 \
-    --micro-batch-size "${MICRO_BATCH:-4}" --global-batch-size "${GLOBAL_BATCH:-256}" \
-    --train-iters "${TRAIN_ITERS:-10000}" --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine \
-    --lr-warmup-iters 500 --weight-decay 0.1 --clip-grad 1.0 --bf16 \
-    --transformer-impl transformer_engine \
-    "${DATA_ARGS[@]}" \
-    --save "$CKPT_DIR" --load "$CKPT_DIR" --save-interval 1000 --ckpt-format torch_dist \
-    --log-interval 10 --eval-interval 1000 --eval-iters 10 \
-    --tensorboard-dir "$CKPT_DIR/tensorboard" \
-    --hdet-period 500 --hdet-spread 0.1111 \
-    "$@"
+    examples/pretrain_gpt/pretrain_gpt_hdet.py "${ARGS[@]}"

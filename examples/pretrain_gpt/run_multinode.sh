@@ -17,7 +17,10 @@
 #   BATCH: MBS [4] GBS [512]  LR [3e-4] MIN_LR [3e-5] TRAIN_ITERS [100000] WARMUP [2000]
 #   TRANSFORMER_IMPL [transformer_engine, or local without TE]  PYTHON [python]  BACKEND [nccl]
 #   NCCL_* / GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME: your cluster's network settings.
-# Extra arguments are passed to pretrain_gpt.py (e.g. --no-hdet, --hdet-grad-sync arm).
+# Extra arguments are passed to pretrain_gpt.py and replace the default of the same flag (e.g.
+# --no-hdet, --hdet-grad-sync arm, --hdet-axis lr:0.2). Everything is checked for the world
+# NNODES x GPUS_PER_NODE before torchrun starts (examples/pretrain_gpt/check_args.py); a bad
+# flag or file is one error line and exit code 2. CHECK_ONLY=1: check and stop.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -29,9 +32,14 @@ MASTER_PORT=${MASTER_PORT:-29500}
 PYTHON=${PYTHON:-python}
 TP=${TP:-2}
 PP=${PP:-2}
+for var in NNODES GPUS_PER_NODE TP PP; do
+    [[ "${!var}" =~ ^[1-9][0-9]*$ ]] || { echo "run_multinode.sh: error: $var=${!var}: expected an integer >= 1" >&2; exit 2; }
+done
+[[ "$NODE_RANK" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$NNODES" ]] \
+    || { echo "run_multinode.sh: error: NODE_RANK=$NODE_RANK: expected an integer in [0, NNODES-1 = $((NNODES - 1))]" >&2; exit 2; }
 WORLD=$(( NNODES * GPUS_PER_NODE ))
 if (( WORLD % (TP * PP) )); then
-    echo "run_multinode.sh: world size $WORLD (NNODES x GPUS_PER_NODE) is not divisible by TP x PP = $TP x $PP" >&2
+    echo "run_multinode.sh: error: world size $WORLD (NNODES x GPUS_PER_NODE) is not divisible by TP x PP = $TP x $PP: change TP/PP or the GPU count" >&2
     exit 2
 fi
 DP=$(( WORLD / (TP * PP) ))
@@ -48,29 +56,41 @@ elif [[ -n "${DATA_PATH:-}" ]]; then
     # shellcheck disable=SC2206  # DATA_PATH may be "W1 PREFIX1 W2 PREFIX2"
     DATA_ARGS=(--data-path $DATA_PATH --split "${SPLIT:-969,30,1}")
 else
-    echo "run_multinode.sh: set DATA_PATH=PREFIX_text_document (examples/pretrain_gpt/prepare_data.py) or MOCK=1" >&2
+    echo "run_multinode.sh: error: no data: set DATA_PATH=PREFIX_text_document (examples/pretrain_gpt/prepare_data.py) or MOCK=1" >&2
     exit 2
 fi
 
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 
+# Defaults; any flag given as an extra argument replaces its default (e.g. --hdet-axis lr:0.2
+# replaces --hdet-spread, --no-hdet every --hdet-* default).
+DEFAULTS=(
+    --distributed-backend "${BACKEND:-nccl}" --transformer-impl "$TRANSFORMER_IMPL"
+    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+    --num-layers "${NUM_LAYERS:-24}" --hidden-size "${HIDDEN:-1024}"
+    --num-attention-heads "${HEADS:-16}" --seq-length "${SEQ:-2048}"
+    --micro-batch-size "${MBS:-4}" --global-batch-size "${GBS:-512}"
+    --train-iters "${TRAIN_ITERS:-100000}" --lr "${LR:-3e-4}" --min-lr "${MIN_LR:-3e-5}"
+    --lr-decay-style cosine --lr-warmup-iters "${WARMUP:-2000}" --weight-decay 0.1
+    --adam-beta2 0.95 --clip-grad 1.0 --bf16 --use-distributed-optimizer
+    --hidden-dropout 0 --attention-dropout 0
+    "${DATA_ARGS[@]}"
+    --eval-interval 1000 --eval-iters 50 --log-interval 50
+    --save "$SAVE" --load "$LOAD" --save-interval 2000
+    --hdet-arms "$ARMS" --hdet-period "${HDET_PERIOD:-1000}" --hdet-spread "${HDET_SPREAD:-0.1111}"
+)
+# Check every flag and file for the whole world once, before torchrun starts a rank: a bad one is
+# one error line and exit code 2 (CHECK_ONLY=1: check and stop; the sbatch file does that first).
+ARGS_FILE=$(mktemp)
+$PYTHON examples/pretrain_gpt/check_args.py --world-size "$WORLD" --print0 --prog run_multinode.sh \
+    --defaults "${#DEFAULTS[@]}" -- "${DEFAULTS[@]}" "$@" > "$ARGS_FILE" || { rc=$?; rm -f "$ARGS_FILE"; exit "$rc"; }
+mapfile -d '' -t ARGS < "$ARGS_FILE"
+rm -f "$ARGS_FILE"
+[[ "${CHECK_ONLY:-0}" != 1 ]] || { echo "run_multinode.sh: flags OK for world $WORLD"; exit 0; }
+
 echo "run_multinode.sh: node $NODE_RANK/$NNODES, world $WORLD = TP$TP x PP$PP x DP$DP, $ARMS HDET arms, master $MASTER_ADDR:$MASTER_PORT"
 exec $PYTHON -m torch.distributed.run \
     --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-    examples/pretrain_gpt/pretrain_gpt.py \
-    --distributed-backend "${BACKEND:-nccl}" --transformer-impl "$TRANSFORMER_IMPL" \
-    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
-    --num-layers "${NUM_LAYERS:-24}" --hidden-size "${HIDDEN:-1024}" \
-    --num-attention-heads "${HEADS:-16}" --seq-length "${SEQ:-2048}" \
-    --micro-batch-size "${MBS:-4}" --global-batch-size "${GBS:-512}" \
-    --train-iters "${TRAIN_ITERS:-100000}" --lr "${LR:-3e-4}" --min-lr "${MIN_LR:-3e-5}" \
-    --lr-decay-style cosine --lr-warmup-iters "${WARMUP:-2000}" --weight-decay 0.1 \
-    --adam-beta2 0.95 --clip-grad 1.0 --bf16 --use-distributed-optimizer \
-    --hidden-dropout 0 --attention-dropout 0 \
-    "${DATA_ARGS[@]}" \
-    --eval-interval 1000 --eval-iters 50 --log-interval 50 \
-    --save "$SAVE" --load "$LOAD" --save-interval 2000 \
-    --hdet-arms "$ARMS" --hdet-period "${HDET_PERIOD:-1000}" --hdet-spread "${HDET_SPREAD:-0.1111}" \
-    "$@"
+    examples/pretrain_gpt/pretrain_gpt.py "${ARGS[@]}"
