@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import Mapping, Optional, Union
 
 from hdet_megatron.config import Axis, HDETConfig, HDETConfigError, parse_axis
+from hdet_megatron.preflight import integer, number
 
 _DEFAULT = HDETConfig()
 
@@ -35,7 +36,7 @@ def _temperature(text: str) -> Union[float, str]:
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number > 0 or 'auto', got {text!r}") from None
 
 
 def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -43,9 +44,9 @@ def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("hdet", "Hyperparameter-Divergent Ensemble Training")
     g.add_argument("--no-hdet", dest="hdet", action="store_false",
                    help="plain Megatron training (no fan-out, no converge, no controller)")
-    g.add_argument("--hdet-period", type=int, default=_DEFAULT.period,
+    g.add_argument("--hdet-period", type=integer(), default=_DEFAULT.period,
                    help="converge period T in iterations (default %(default)s)")
-    g.add_argument("--hdet-arms", type=int, default=None,
+    g.add_argument("--hdet-arms", type=integer(), default=None,
                    help="number of arms A (must divide DP; default: one per DP replica)")
     g.add_argument("--hdet-grad-sync", choices=("global", "arm"), default=_DEFAULT.grad_sync,
                    help="'global': all-reduce grads over all DP every step (paper); 'arm': only "
@@ -53,7 +54,7 @@ def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--hdet-axis", action="append", default=None, metavar="NAME:SPREAD[:MIN:MAX]",
                    help="explored hyperparameter (repeatable): lr, lr:<group>, weight_decay, "
                         "dropout, attention_temperature; default lr:0.1111")
-    g.add_argument("--hdet-spread", type=float, default=None,
+    g.add_argument("--hdet-spread", type=number(), default=None,
                    help="spread of the LR axis (shorthand when no --hdet-axis is given)")
     g.add_argument("--hdet-spread-kind", choices=("linear", "log"), default="linear",
                    help="linear (paper) or log-symmetric multipliers for multiplicative axes")
@@ -61,18 +62,18 @@ def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="run the auto controller (default)")
     g.add_argument("--no-hdet-auto", dest="hdet_auto", action="store_false",
                    help="fan-out and converge only; the base schedule is never moved")
-    g.add_argument("--hdet-auto-start", type=int, default=_DEFAULT.auto_start,
+    g.add_argument("--hdet-auto-start", type=integer(), default=_DEFAULT.auto_start,
                    help="iterations before the controller may move")
     g.add_argument("--hdet-temperature", type=_temperature, default=_DEFAULT.temperature,
                    help="softmax temperature sigma over arm losses, or 'auto'")
-    g.add_argument("--hdet-meta-lr", type=float, default=_DEFAULT.meta_lr, help="lambda")
-    g.add_argument("--hdet-momentum", type=float, default=_DEFAULT.momentum, help="beta")
-    g.add_argument("--hdet-scale-bounds", type=float, nargs=2, default=list(_DEFAULT.scale_bounds),
+    g.add_argument("--hdet-meta-lr", type=number(), default=_DEFAULT.meta_lr, help="lambda")
+    g.add_argument("--hdet-momentum", type=number(), default=_DEFAULT.momentum, help="beta")
+    g.add_argument("--hdet-scale-bounds", type=number(), nargs=2, default=list(_DEFAULT.scale_bounds),
                    metavar=("MIN", "MAX"), help="clamp of the learned scale")
     g.add_argument("--hdet-rule", choices=("relative", "paper"), default=_DEFAULT.rule)
-    g.add_argument("--hdet-seed", type=int, default=_DEFAULT.seed,
+    g.add_argument("--hdet-seed", type=integer(), default=_DEFAULT.seed,
                    help="seed of the per-window permutations")
-    g.add_argument("--hdet-bucket-mb", type=float, default=_DEFAULT.bucket_mb,
+    g.add_argument("--hdet-bucket-mb", type=number(), default=_DEFAULT.bucket_mb,
                    help="converge all-reduce bucket size in MiB")
     g.add_argument("--hdet-converge-on-save", dest="hdet_converge_on_save", action="store_true",
                    default=_DEFAULT.converge_on_save, help="converge before saving (default)")

@@ -235,8 +235,10 @@ def _check_checkpoint_files(ckpt_dir: str) -> None:
             raise InputError(f"{path} is unreadable (not JSON): the checkpoint is damaged; {fix}") from None
         if not isinstance(meta, dict) or "sharded_backend" not in meta:
             raise InputError(f"{path} is not a dist_checkpointing metadata file; {fix}")
-        for name in ("common.pt", ".metadata"):
-            _check_torch_file(os.path.join(ckpt_dir, name), zipped=name.endswith(".pt"))
+        if meta.get("sharded_backend") == "torch_dist":
+            _check_torch_file(os.path.join(ckpt_dir, ".metadata"), pickled=True)  # torch DCP's index
+        if "common.pt" in names:  # older layouts keep the common state apart
+            _check_torch_file(os.path.join(ckpt_dir, "common.pt"), zipped=True)
         return
     ranks = sorted(n for n in names if n.startswith("mp_rank_"))
     if ranks:  # legacy torch format
@@ -247,17 +249,21 @@ def _check_checkpoint_files(ckpt_dir: str) -> None:
                      f"(mp_rank_*/) checkpoint (an interrupted save?); {fix}")
 
 
-def _check_torch_file(path: str, zipped: bool) -> None:
+def _check_torch_file(path: str, zipped: bool = False, pickled: bool = False) -> None:
+    """``path`` exists and starts like what ``torch.save`` (a zip archive) or ``pickle`` writes."""
     fix = "the checkpoint is damaged (an interrupted save?): use another --ckpt-step, or save it again"
     if not os.path.isfile(path):
         raise InputError(f"{path} is missing: {fix}")
     try:
         size = os.path.getsize(path)
-        ok = size > 0 and (not zipped or zipfile.is_zipfile(path))  # torch.save writes zip archives
+        with open(path, "rb") as fh:
+            head = fh.read(2)
+        ok = size > 0 and (not zipped or zipfile.is_zipfile(path)) and (not pickled or head[:1] == b"\x80")
     except OSError as exc:
         raise InputError(f"{path}: cannot read ({exc.strerror}): {fix}") from None
     if not ok:
-        raise InputError(f"{path} is {'empty' if size == 0 else 'not a torch.save file'}: {fix}")
+        kind = "a torch.save file" if zipped else "a pickled checkpoint index"
+        raise InputError(f"{path} is {'empty' if size == 0 else 'not ' + kind}: {fix}")
 
 
 #: Flags that fix the model's shape: a run directory whose last run had other values belongs to

@@ -166,7 +166,7 @@ def parse_args(argv: Optional[list[str]] = None, world_size: Optional[int] = Non
     parser = build_parser()
 
     def error(message):  # argparse errors become UsageError (clear message, no traceback)
-        raise UsageError(message)
+        raise UsageError(f"{message} ({PROG} --help lists the flags)")
 
     parser.error = error  # type: ignore[method-assign]
     args = parser.parse_args(argv)
@@ -299,6 +299,7 @@ def validate_args(args, argv: list[str], world_size: int):
         args.tokenizer_type = "ByteLevel"
 
     # Checkpoints.
+    _check_files(args)
     if args.load and args.exit_on_missing_checkpoint and not _checkpoint_iteration(args.load, args.ckpt_step):
         raise UsageError(f"--load {args.load}: no checkpoint found (--exit-on-missing-checkpoint)")
     if args.load and args.ckpt_step is not None and not _checkpoint_iteration(args.load, args.ckpt_step):
@@ -331,6 +332,20 @@ def validate_args(args, argv: list[str], world_size: int):
         args.run_dir = args.save or os.path.join(
             "runs", datetime.datetime.now().strftime("gpt-%Y%m%d-%H%M%S"))
     return hdet
+
+
+def _check_files(args) -> None:
+    """A readable checkpoint in --load, and no directory of another job (hdet_megatron.preflight)."""
+    from hdet_megatron import preflight
+
+    try:
+        if args.load:
+            preflight.check_checkpoint(args.load, args.ckpt_step)
+        for flag, path in (("--load", args.load), ("--save", args.save), ("--run-dir", args.run_dir or args.save)):
+            if path:
+                preflight.check_run_dir(path, args, flag)
+    except preflight.InputError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _checkpoint_iteration(load_dir: str, ckpt_step: Optional[int] = None) -> Optional[int]:

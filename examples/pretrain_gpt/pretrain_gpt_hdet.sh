@@ -46,7 +46,10 @@ else
 fi
 
 # bash patches/apply.sh --status exits 1 when the patch is missing: say so before 8 GPUs start.
-PYTHON="$PYTHON" bash patches/apply.sh --status >/dev/null || { PYTHON="$PYTHON" bash patches/apply.sh --status; exit 3; }
+if ! status=$(PYTHON="$PYTHON" bash patches/apply.sh --status 2>&1); then
+    echo "pretrain_gpt_hdet.sh: error: megatron.training of $PYTHON: $(tail -n 1 <<<"$status" | sed 's/^apply.sh: //'): run \`bash patches/apply.sh\` (or set PYTHON=...)" >&2
+    exit 3
+fi
 
 # Defaults; an extra argument replaces the default of the same flag (--hdet-axis replaces
 # --hdet-spread, --no-hdet every --hdet-* default).
