@@ -467,3 +467,52 @@ def test_case_count_matches_the_docs():
     assert re.search(rf"\b{n} bad inputs\b", readme), f"README: update the count to {n} bad inputs"
     docs = REPO / "docs" / "troubleshooting.md"
     assert re.search(rf"\b{n} bad inputs\b", docs.read_text()), f"{docs}: update the count to {n}"
+
+
+# --- the launchers' defaults give way to the user's flags ---------------------------------------
+
+
+@pytest.mark.parametrize("user, dropped, kept", [
+    (["--hdet-axis", "lr:0.3"], ["--hdet-spread"], ["--hdet-period"]),
+    (["--hdet-spread", "0.3"], [], ["--hdet-period"]),
+    (["--no-hdet"], ["--hdet-spread", "--hdet-period"], ["--lr"]),
+    (["--mock-data"], ["--data-path", "--split"], ["--lr"]),
+    (["--lr=0.1"], ["--lr"], ["--data-path"]),
+    (["--lr-warmup-fraction", "0.1"], ["--lr-warmup-iters"], ["--lr"]),
+])
+def test_user_flags_replace_launcher_defaults(user, dropped, kept):
+    from hdet_megatron.preflight import merge_defaults
+
+    defaults = ["--lr", "2e-3", "--lr-warmup-iters", "30", "--data-path", "w1", "p1", "--split", "90,5,5",
+                "--hdet-period", "25", "--hdet-spread", "0.2"]
+    merged = merge_defaults(defaults, user)
+    assert merged[len(merged) - len(user):] == user
+    head = merged[: len(merged) - len(user)]
+    for flag in dropped:
+        assert flag not in head
+    for flag in kept:
+        assert flag in head
+    if "--data-path" in head:  # a multi-value default keeps all its values
+        i = head.index("--data-path")
+        assert head[i + 1:i + 3] == ["w1", "p1"]
+
+
+def test_demo_accepts_an_explicit_axis(files, capsys, monkeypatch):
+    """The issue's example: `demo_cpu.sh --hdet-axis lr:0.3` passes the check (the demo's
+    --hdet-spread default gives way) and the merged command line has no --hdet-spread."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import check_args
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    monkeypatch.setenv("HDET_DATA_CACHE", str(Path(files["tmp"]) / "cache"))
+    demo_defaults = ["--tensor-model-parallel-size", "2", "--micro-batch-size", "4", "--global-batch-size", "8",
+                     "--data-path", "@default-corpus", "--save", str(Path(files["tmp"]) / "demo_ok"),
+                     "--hdet-period", "25", "--hdet-spread", "0.2"]
+    rc = check_args.main(["--world-size", "4", "--fresh", "--print0", "--defaults", str(len(demo_defaults)),
+                          "--", *demo_defaults, "--hdet-axis", "lr:0.3"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    merged = out.split("\0")[:-1]
+    assert "--hdet-spread" not in merged and merged[-2:] == ["--hdet-axis", "lr:0.3"]
+    assert "@default-corpus" in merged  # prepared by the demo only after the check passed

@@ -60,6 +60,8 @@ MEGATRON_ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 
 def _args_module():
     """The module with pretrain_gpt.py's ``parse_args`` and ``UsageError`` (no torch import)."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
     try:
         import gpt_args as module  # the argument half of pretrain_gpt.py
     except ImportError:
@@ -198,6 +200,8 @@ def _check_megatron_files(args) -> None:
 
 def _load_hdet_script():
     """Import pretrain_gpt_hdet.py (CPU shims, megatron.training) and require the patch."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
     import pretrain_gpt_hdet as script  # noqa: PLC0415
 
     if not hasattr(script._mtraining, "_hdet_hooks"):
