@@ -39,15 +39,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from hdet_megatron.preflight import (  # noqa: E402
-    InputError,
-    OneLineParser,
-    check_checkpoint,
-    fail,
-    fresh_run_dir,
-    integer,
-    merge_defaults,
-)
+try:
+    from hdet_megatron.preflight import (  # noqa: E402
+        InputError,
+        OneLineParser,
+        check_checkpoint,
+        fail,
+        fresh_run_dir,
+        integer,
+        merge_defaults,
+    )
+except ImportError as _exc:  # the launcher's PYTHON is not the project's environment
+    print(f"check_args.py: error: {sys.executable} cannot import hdet_megatron ({_exc}): set PYTHON "
+          "(or VENV) to the environment of `pip install -e .` / `make setup`", file=sys.stderr)
+    sys.exit(2)
 
 PROG = "check_args.py"
 DEFAULT_CORPUS = "@default-corpus"
