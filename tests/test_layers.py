@@ -35,6 +35,7 @@ LAYERS = {
     # entry points: the package's face, CLI and flags, the megatron.training patch hooks, tools
     "hdet_megatron": ENTRY,
     "hdet_megatron.args": ENTRY,
+    "hdet_megatron.preflight": ENTRY,
     "hdet_megatron.cli": ENTRY,
     "hdet_megatron.report": ENTRY,
     "hdet_megatron.megatron.training_hooks": ENTRY,
