@@ -11,25 +11,52 @@ buckets and writes the average back in place. Layout and buffers are built once 
 * The all-reduce of bucket ``i+1`` is in flight (``async_op=True``) while bucket ``i`` is being
   unpacked. Buckets go through a small ring of preallocated byte buffers (``num_buffers``,
   default 2), so the extra memory is ``num_buffers`` buckets, not a model copy.
-* Weights: ``average(w)`` computes ``sum_r w_r x_r / sum_r w_r``. The weight travels in one
-  extra element of the first bucket (no extra collective). A rank with weight 0 contributes
-  zeros (its buffer is zeroed, not multiplied, so its NaN/Inf never reach the others) and
-  receives the others' weighted mean. The weight sum is checked on the host once per call
-  (the only host sync; all ranks see the same sum, so all raise together when it is 0).
+* Weights: ``average(w)`` computes ``sum_r w_r x_r / sum_r w_r``. The weights are summed first
+  by a one-element all-reduce (before any tensor is touched, so that homed tensors stay
+  untouched when every weight is 0). A rank with weight 0 contributes zeros (its buffer is
+  zeroed, not multiplied, so its NaN/Inf never reach the others) and receives the others'
+  weighted mean. The weight sum is checked on the host once per call (the only host sync; all
+  ranks see the same sum, so all raise together when it is 0).
 * ``average()`` without weights is ``sum / group_size``; the all-reduce result is the same on
   every rank, so every rank ends with the same bits.
+
+Homing (``home=True``, what the HDET runtimes ask for by default): tensors whose dtype *is* their
+bucket dtype (float32, float64) and that own their storage are moved, once, into one flat
+storage per dtype: the values are copied there and each tensor's ``.data`` is set to its view
+of it (the tensor *objects* stay the same, so optimizer state keyed by them, Megatron's
+``fp32_from_float16_groups`` / ``main_param`` handles and param-group lists keep working). A
+converge then all-reduces slices of that storage in place and divides in place: no pack, no
+unpack, no bucket buffers for them. Tensors that cannot be homed (bfloat16/float16, views into
+someone else's buffer such as Megatron DistOpt's fp32 shards of DDP's ``param_data``, tensor
+subclasses, tensors sharing storage) keep the copying path; that is logged once per reason.
+Homed tensors get bit-identical results to the copying path (same operations on the same
+values in the same dtype). Because a homed tensor's storage is the whole flat buffer,
+``torch.save`` of the tensor itself would write the whole buffer: :func:`own_storage` (and the
+state-dict hooks of the runtimes) hand out copies with their own storage instead.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
+import weakref
 from dataclasses import dataclass
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["AverageStats", "BucketedAverager"]
+__all__ = [
+    "AverageStats",
+    "BucketedAverager",
+    "Homer",
+    "home_reason",
+    "own_storage",
+    "protect_module_state_dicts",
+]
+
+logger = logging.getLogger(__name__)
 
 _FLOAT_BUCKET_DTYPE = {
     torch.float64: torch.float64,
@@ -66,13 +93,117 @@ class _Segment:
 @dataclass(frozen=True)
 class _Bucket:
     dtype: torch.dtype
-    numel: int  # payload elements (without the weight slot)
-    slot: bool  # carries the weight in element ``numel``
+    numel: int
     segments: tuple[_Segment, ...]
+    home: Optional[tuple[int, int]] = None  # homed: (index into self._homes, element offset)
 
     @property
     def length(self) -> int:
-        return self.numel + (1 if self.slot else 0)
+        return self.numel
+
+
+_HOMEABLE_DTYPES = (torch.float32, torch.float64)
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message, *args)
+
+
+def home_reason(t: torch.Tensor) -> Optional[str]:
+    """Why ``t`` cannot be moved into a flat buffer by setting its ``.data`` (None: it can).
+
+    Only tensors that own their whole storage are homed: a tensor whose storage is shared with
+    another tensor (a view, or a tensor others view) would silently stop being that other
+    tensor's memory once its ``.data`` points elsewhere.
+    """
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return f"it is a {type(t).__name__} (tensor subclass)"
+    if t.dtype not in _HOMEABLE_DTYPES:
+        return f"its dtype {t.dtype} is averaged in a float32 bucket (the copy is the cast)"
+    if t.requires_grad and not t.is_leaf:
+        return "it is not a leaf tensor"
+    if t._base is not None or t.storage_offset() != 0 or (
+        t.untyped_storage().nbytes() != t.numel() * t.element_size()
+    ):
+        return (
+            "it is a view into a larger storage (e.g. Megatron DistributedOptimizer's fp32 "
+            "main-param shards, which are views of DDP's param buffer)"
+        )
+    return None
+
+
+class Homer:
+    """How :class:`BucketedAverager` (``home=``) moves tensors into its flat storage.
+
+    The default moves a tensor by ``tensor.data = view``. Subclasses handle tensors whose
+    storage is owned by a framework (``hdet_megatron.fsdp`` does FSDP2's sharded params).
+    """
+
+    def reason(self, tensor: torch.Tensor) -> Optional[str]:
+        """None when ``tensor`` can be homed, else why not (logged once per reason)."""
+        return home_reason(tensor)
+
+    def install(self, tensor: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+        """Make ``tensor`` live in ``view`` (same shape and dtype, values already copied);
+        return the tensor the averager keeps for it."""
+        tensor.data = view
+        return tensor
+
+
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, copied into its own storage when it shares a larger one (a homed tensor):
+    what ``torch.save`` should get so that it writes ``t``'s bytes and not the whole buffer."""
+    t = t.detach()
+    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return t.clone()
+    return t
+
+
+#: (id(state_dict), id(param)) -> (weakref to the state dict, the copy): a tensor reachable
+#: under two keys of one state dict (tied weights) is copied once, so torch.save still writes one
+#: storage for it, as it did before homing.
+_copies: dict[tuple[int, int], tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def _state_dict_hook(names: tuple[str, ...], module, state_dict, prefix, local_metadata) -> None:
+    for key in [k for k, v in _copies.items() if v[0]() is None]:
+        del _copies[key]
+    for name in names:
+        param = module._parameters.get(name)
+        key = prefix + name
+        value = state_dict.get(key)
+        if param is None or value is None or value is param:  # keep_vars=True: the caller's choice
+            continue
+        memo = (id(state_dict), id(param))
+        if memo not in _copies:
+            _copies[memo] = (weakref.ref(state_dict), own_storage(value))
+        state_dict[key] = _copies[memo][1]
+
+
+def protect_module_state_dicts(modules: Sequence[torch.nn.Module], homed: Sequence[torch.Tensor]) -> list:
+    """Make ``module.state_dict()`` return homed parameters in their own storage.
+
+    ``state_dict()`` returns ``param.detach()``, which shares the parameter's storage; for a
+    homed parameter that is the averager's whole flat buffer, and ``torch.save`` writes a
+    tensor's whole storage. A state-dict post-hook on every module that owns a homed parameter
+    swaps in a copy, so what is saved is byte-for-byte what it was before homing (one storage
+    per parameter). ``keep_vars=True`` state dicts (used by Megatron's ``sharded_state_dict``,
+    whose writers copy views themselves) are left alone. Returns the hook handles.
+    """
+    ids = {id(t) for t in homed}
+    handles, seen = [], set()
+    for root in modules:
+        for module in root.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            names = tuple(n for n, p in module._parameters.items() if p is not None and id(p) in ids)
+            if names:
+                handles.append(module.register_state_dict_post_hook(functools.partial(_state_dict_hook, names)))
+    return handles
 
 
 class BucketedAverager:
@@ -86,6 +217,12 @@ class BucketedAverager:
         bucket_mb: bucket size in MiB (payload of one all-reduce).
         num_buffers: how many bucket buffers to keep (>= 1); with 2 or more, packing/unpacking
             overlaps the all-reduce of the next bucket.
+        home: move the tensors that can be moved (see :func:`home_reason`) into flat storage
+            owned by the averager, once (``True``, or a :class:`Homer`); a converge then
+            all-reduces that storage in place. ``False`` (default): copy in and out of bucket
+            buffers at every call. Which tensors are homed is agreed on by all ranks (one small
+            all-reduce here), so the bucket layouts always match. Homing is skipped on a group
+            of one rank (there is nothing to average).
     """
 
     def __init__(
@@ -94,6 +231,7 @@ class BucketedAverager:
         group: Optional[dist.ProcessGroup] = None,
         bucket_mb: float = 40.0,
         num_buffers: int = 2,
+        home: Union[bool, Homer] = False,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -104,6 +242,8 @@ class BucketedAverager:
             raise ValueError(f"bucket_mb={bucket_mb!r} must be > 0")
         if isinstance(num_buffers, bool) or not isinstance(num_buffers, int) or num_buffers < 1:
             raise ValueError(f"num_buffers={num_buffers!r} must be an integer >= 1")
+        if not isinstance(home, (bool, Homer)):
+            raise TypeError(f"home must be a bool or a Homer, got {type(home).__name__}")
         self.group = group
         self.group_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -138,16 +278,37 @@ class BucketedAverager:
         self.device = devices.pop() if devices else torch.device("cpu")
         self.bucket_bytes = max(8, int(bucket_mb * 2**20))
 
-        # Streams per bucket dtype, in order of first appearance; cut into buckets.
+        homer = home if isinstance(home, Homer) else (Homer() if home else None)
+        homed = self._choose_homed(homer) if homer is not None and self.group_size > 1 else [False] * len(unique)
+
+        # Streams per bucket dtype, in order of first appearance; cut into buckets. A stream is
+        # homed when every tensor in it can be: then every bucket is a slice of its flat storage
+        # with *the same element positions as the copying path*, so both paths all-reduce the
+        # same buffers and get the same bits (a collective's summation order can depend on an
+        # element's position in the buffer).
         streams: dict[torch.dtype, list[int]] = {}
         for idx, t in enumerate(unique):
             if t.numel():
                 streams.setdefault(_FLOAT_BUCKET_DTYPE[t.dtype], []).append(idx)
+        #: (flat storage, tensor indices) per homed stream.
+        self._homes: list[tuple[torch.Tensor, tuple[int, ...]]] = []
         buckets: list[_Bucket] = []
         for dtype, members in streams.items():
             capacity = max(1, self.bucket_bytes // _itemsize(dtype))
+            home_id = None
+            if all(homed[i] for i in members):
+                home_id = len(self._homes)
+                total = sum(self._numels[i] for i in members)
+                self._homes.append((torch.empty(total, dtype=dtype, device=self.device), tuple(members)))
+            elif homer is not None and any(homed[i] for i in members):
+                _warn_once(
+                    f"mixed-{dtype}",
+                    "BucketedAverager: the %s converge buckets also hold tensors that cannot be "
+                    "homed, so the whole %s stream keeps the copying path",
+                    dtype, dtype,
+                )
             segs: list[_Segment] = []
-            fill = 0
+            fill = start = 0
             for idx in members:
                 offset, remaining = 0, self._numels[idx]
                 while remaining:
@@ -157,21 +318,75 @@ class BucketedAverager:
                     remaining -= take
                     fill += take
                     if fill == capacity:
-                        buckets.append(_Bucket(dtype, fill, not buckets, tuple(segs)))
+                        buckets.append(self._bucket(dtype, fill, segs, home_id, start))
+                        start += fill
                         segs, fill = [], 0
             if fill:
-                buckets.append(_Bucket(dtype, fill, not buckets, tuple(segs)))
-        if not buckets:  # nothing to average: keep one bucket for the weight slot
-            buckets.append(_Bucket(torch.float32, 0, True, ()))
+                buckets.append(self._bucket(dtype, fill, segs, home_id, start))
+        if not buckets:  # nothing to average: one empty bucket keeps the weight's dtype
+            buckets.append(_Bucket(torch.float32, 0, ()))
         self._buckets = buckets
+        self._install_homes(homer)
 
-        self.num_buffers = min(num_buffers, len(buckets))
-        buffer_bytes = max(b.length * _itemsize(b.dtype) for b in buckets)
+        copy_ids = [i for i, b in enumerate(buckets) if b.home is None]
+        self._ring = {i: k % max(1, min(num_buffers, len(copy_ids))) for k, i in enumerate(copy_ids)}
+        self.num_buffers = min(num_buffers, len(copy_ids))
+        buffer_bytes = max((buckets[i].length * _itemsize(buckets[i].dtype) for i in copy_ids), default=0)
         self._buffers = [
             torch.empty(buffer_bytes, dtype=torch.uint8, device=self.device)
             for _ in range(self.num_buffers)
         ]
         self._weight_sum = torch.zeros((), dtype=buckets[0].dtype, device=self.device)
+
+    @staticmethod
+    def _bucket(dtype, fill, segs, home_id, start) -> _Bucket:
+        home = None if home_id is None else (home_id, start)
+        return _Bucket(dtype, fill, tuple(segs), home)
+
+    def _choose_homed(self, homer: Homer) -> list[bool]:
+        """Which tensors to home: those the homer accepts on *every* rank (one all-reduce)."""
+        reasons = [homer.reason(t) if t.numel() else "it is empty" for t in self._tensors]
+        ptrs: dict[int, int] = {}
+        for i, t in enumerate(self._tensors):
+            if reasons[i] is None:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr in ptrs:  # two tensor objects over one storage: home neither
+                    reasons[i] = reasons[ptrs[ptr]] = "it shares its storage with another averaged tensor"
+                ptrs[ptr] = i
+        ok = torch.tensor([r is None for r in reasons], dtype=torch.int32, device=self.device)
+        if ok.numel():
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        homed = [bool(v) for v in ok.tolist()]
+        skipped: dict[str, list[int]] = {}
+        for i, (r, h) in enumerate(zip(reasons, homed)):
+            if not h and self._numels[i]:
+                skipped.setdefault(r or "another rank cannot home it", []).append(i)
+        for reason, idx in skipped.items():
+            nbytes = sum(self._numels[i] * self._tensors[i].element_size() for i in idx)
+            _warn_once(
+                reason,
+                "BucketedAverager: %d tensor(s) (%.1f MiB) keep the copying converge path "
+                "(pack into a bucket, unpack after the all-reduce) because %s",
+                len(idx), nbytes / 2**20, reason,
+            )
+        return homed
+
+    @torch.no_grad()
+    def _install_homes(self, homer: Optional[Homer]) -> None:
+        self._home_views: dict[int, torch.Tensor] = {}
+        for flat, members in self._homes:
+            offset = 0
+            for idx in members:
+                t = self._tensors[idx]
+                n = self._numels[idx]
+                view = flat[offset : offset + n].view(t.shape)
+                view.copy_(t)
+                kept = homer.install(t, view)
+                if kept.data_ptr() != view.data_ptr():
+                    raise RuntimeError(f"internal: tensor {idx} was not moved into the flat buffer")
+                self._tensors[idx] = kept
+                self._home_views[idx] = view
+                offset += n
 
     # ------------------------------------------------------------------ properties
     @property
@@ -181,7 +396,8 @@ class BucketedAverager:
 
     @property
     def nbytes(self) -> int:
-        """Bytes all-reduced per :meth:`average` call (bucket dtypes, incl. the weight slot)."""
+        """Bytes all-reduced by one unweighted :meth:`average` call (bucket dtypes); a weighted
+        call sends one more element (the weights' sum, reduced up front)."""
         return sum(b.length * _itemsize(b.dtype) for b in self._buckets)
 
     @property
@@ -190,17 +406,29 @@ class BucketedAverager:
 
     @property
     def buffer_nbytes(self) -> int:
-        """Memory held by the bucket buffers."""
+        """Memory held by the bucket buffers (the copying path's; homed tensors need none)."""
         return sum(b.numel() for b in self._buffers)
 
     @property
     def tensors(self) -> list[torch.Tensor]:
         return list(self._tensors)
 
+    @property
+    def homed_tensors(self) -> list[torch.Tensor]:
+        """The tensors that live in the averager's flat storage."""
+        return [self._tensors[i] for i in self._home_views]
+
+    @property
+    def homed_numel(self) -> int:
+        return sum(self._numels[i] for i in self._home_views)
+
     # ------------------------------------------------------------------ averaging
     def _view(self, i: int) -> torch.Tensor:
         b = self._buckets[i]
-        raw = self._buffers[i % self.num_buffers]
+        if b.home is not None:
+            flat = self._homes[b.home[0]][0]
+            return flat[b.home[1] : b.home[1] + b.numel]
+        raw = self._buffers[self._ring[i]]
         return raw[: b.length * _itemsize(b.dtype)].view(b.dtype)
 
     def _flat(self, idx: int) -> torch.Tensor:
@@ -212,6 +440,28 @@ class BucketedAverager:
             )
         return t.view(-1)
 
+    @torch.no_grad()
+    def _check_homes(self) -> None:
+        """Homed tensors must still live in the flat storage: something that replaced a
+        tensor's ``.data`` (``module.to()``, ``load_state_dict(assign=True)``) would otherwise
+        leave the average in the buffer and not in the tensor. Such a tensor is moved back."""
+        for idx, view in self._home_views.items():
+            t = self._tensors[idx]
+            if t.data_ptr() == view.data_ptr() and t.shape == view.shape:
+                continue
+            if t.shape != view.shape or t.dtype != view.dtype or t.device != view.device:
+                raise RuntimeError(
+                    f"homed tensor {idx} changed since the BucketedAverager was built (shape "
+                    f"{tuple(t.shape)}, {t.dtype}, {t.device}); build a new averager"
+                )
+            view.copy_(t)
+            t.data = view
+            _warn_once(
+                "rehomed",
+                "BucketedAverager: a homed tensor's storage was replaced (e.g. by module.to() or "
+                "load_state_dict(assign=True)); its values were moved back into the flat buffer",
+            )
+
     def _pack(self, i: int, weight) -> torch.Tensor:
         b = self._buckets[i]
         buf = self._view(i)
@@ -220,25 +470,24 @@ class BucketedAverager:
             # Excluded replica: contribute exact zeros (never 0 * NaN).
             data.zero_()
         else:
-            for s in b.segments:
-                data[s.bucket_offset : s.bucket_offset + s.numel].copy_(
-                    self._flat(s.tensor)[s.tensor_offset : s.tensor_offset + s.numel]
-                )
+            if b.home is None:
+                for s in b.segments:
+                    data[s.bucket_offset : s.bucket_offset + s.numel].copy_(
+                        self._flat(s.tensor)[s.tensor_offset : s.tensor_offset + s.numel]
+                    )
             if isinstance(weight, torch.Tensor):
                 data.mul_(weight)
                 data.masked_fill_(weight == 0, 0.0)
             elif weight is not None and weight != 1.0:
                 data.mul_(weight)
-        if b.slot:
-            if isinstance(weight, torch.Tensor):
-                buf[b.numel].copy_(weight)
-            else:
-                buf[b.numel].fill_(1.0 if weight is None else weight)
         return buf
 
     def _unpack(self, i: int, divisor) -> None:
         b = self._buckets[i]
         data = self._view(i)[: b.numel]
+        if b.home is not None:
+            data.div_(divisor)  # in place: the bucket *is* the tensors' memory
+            return
         # Divide straight into the destination: one pass over the bucket instead of a div_ and
         # a copy_. Same rounding: the quotient is computed in the bucket dtype (fp32 for bf16
         # tensors) and rounded once on store, exactly like div_ followed by copy_.
@@ -276,36 +525,55 @@ class BucketedAverager:
             return AverageStats(0, 0, time.perf_counter() - start, weight is not None,
                                 self._weight_sum.clone() if weight is not None else None)
 
-        n = len(self._buckets)
-        depth = self.num_buffers
-        works: list = [None] * n
-
-        def launch(i: int) -> None:
-            works[i] = dist.all_reduce(self._pack(i, weight), group=self.group, async_op=True)
-
-        for i in range(min(depth - 1, n)):
-            launch(i)
+        self._check_homes()
+        sent = sum(b.length * _itemsize(b.dtype) for b in self._buckets)
         divisor: Union[float, torch.Tensor] = float(self.group_size)
+        if weight is not None:
+            # Sum the weights before any homed tensor is scaled or zeroed in place, so that
+            # "all weights 0" still leaves every tensor untouched (a slot in bucket 0 could not).
+            if isinstance(weight, torch.Tensor):
+                self._weight_sum.copy_(weight)
+            else:
+                self._weight_sum.fill_(weight)
+            dist.all_reduce(self._weight_sum, group=self.group)
+            sent += _itemsize(self._weight_sum.dtype)
+            if not bool(self._weight_sum > 0):  # the one host sync (weighted only)
+                raise RuntimeError(_ALL_ZERO)
+            divisor = self._weight_sum
+
+        n = len(self._buckets)
+        depth = max(self.num_buffers, 1)
+        works: list = [None] * n
+        state = {"next": 0, "copies": 0}  # next bucket to launch; copy buckets in flight
+
+        def pump() -> None:
+            # Launch in bucket order: homed buckets need no buffer, copy buckets one of the ring.
+            while state["next"] < n:
+                i = state["next"]
+                if self._buckets[i].home is None:
+                    if state["copies"] >= depth:
+                        return
+                    state["copies"] += 1
+                works[i] = dist.all_reduce(self._pack(i, weight), group=self.group, async_op=True)
+                state["next"] += 1
+
         try:
+            pump()
             for i in range(n):
-                if i + depth - 1 < n:
-                    launch(i + depth - 1)
                 works[i].wait()
                 works[i] = None
-                if i == 0 and weight is not None:
-                    b0 = self._buckets[0]
-                    self._weight_sum.copy_(self._view(0)[b0.numel])
-                    if not bool(self._weight_sum > 0):  # the one host sync (weighted only)
-                        raise RuntimeError(_ALL_ZERO)
-                    divisor = self._weight_sum
+                b = self._buckets[i]
                 self._unpack(i, divisor)
+                if b.home is None:
+                    state["copies"] -= 1
+                pump()
         finally:
             # Keep the group consistent if anything above raised: drain in-flight all-reduces.
             for w in works:
                 if w is not None:
                     w.wait()
         return AverageStats(
-            bytes=self.nbytes,
+            bytes=sent,
             num_buckets=n,
             seconds=time.perf_counter() - start,
             weighted=weight is not None,
@@ -317,8 +585,8 @@ class BucketedAverager:
     def __repr__(self) -> str:
         return (
             f"BucketedAverager(tensors={len(self._tensors)}, numel={self.numel}, "
-            f"buckets={self.num_buckets}, bucket_bytes={self.bucket_bytes}, "
-            f"group_size={self.group_size}, device={self.device})"
+            f"homed={self.homed_numel}, buckets={self.num_buckets}, "
+            f"bucket_bytes={self.bucket_bytes}, group_size={self.group_size}, device={self.device})"
         )
 
 

@@ -144,13 +144,77 @@ def _averaging_world(rank, world):
     assert empty.numel == 0 and empty.num_buckets == 1
     empty.average()
     checks += 1
+
+    # 7. Homing: a bucket-dtype stream whose tensors all own their storage and have the bucket
+    #    dtype (here: the float64 one; the float32 stream also holds bf16/fp16 tensors and a view
+    #    into a shared buffer, so it is copied; `pure` leaves those out) moves into the
+    #    averager's flat storage (same tensor objects); results are bit-identical to the copying
+    #    path, weighted and not, with buckets that split tensors.
+    for pure in (False, True):
+        keep = [i for i, (shape, dt) in enumerate(SHAPES)
+                if not pure or dt in (torch.float32, torch.float64)]
+        want_homed = {k for k, i in enumerate(keep) if math.prod(SHAPES[i][0])
+                      and (SHAPES[i][1] == torch.float64 or pure and SHAPES[i][1] == torch.float32)}
+        for bucket_mb, w in ((40.0, None), (28 / 2**20, None), (24 / 2**20, weights[rank]),
+                             (24 / 2**20, torch.tensor(weights[rank]))):
+            homed_data = [torch.nn.Parameter(_data(rank, False)[i]) for i in keep]
+            copied = [_data(rank, False)[i] for i in keep]
+            base_h, base_c = (torch.arange(20, dtype=torch.float32) * (rank + 1) for _ in range(2))
+            if rank == 1 and w is not None:  # the excluded rank's values never reach the others
+                for t in homed_data + copied:
+                    if t.numel():
+                        t.data.view(-1)[0] = float("nan")
+            objects = [id(t) for t in homed_data]
+            extra_h, extra_c = ([], []) if pure else ([base_h[3:9]], [base_c[3:9]])
+            h = BucketedAverager(homed_data + extra_h, bucket_mb=bucket_mb, home=True)
+            c = BucketedAverager(copied + extra_c, bucket_mb=bucket_mb)
+            assert [id(t) for t in h.tensors[: len(objects)]] == objects  # same objects
+            got = {k for k, t in enumerate(homed_data) if any(t is x for x in h.homed_tensors)}
+            assert got == want_homed, (pure, got, want_homed)
+            assert h.homed_numel == sum(homed_data[k].numel() for k in want_homed)
+            assert h.buffer_nbytes <= c.buffer_nbytes and (h.buffer_nbytes == 0) == pure
+            hs, cs = h.average(w), c.average(w)
+            extra = 0 if w is None else 4  # the weights' sum (float32: the first bucket's dtype)
+            assert hs.bytes == h.nbytes + extra and cs.bytes == c.nbytes + extra
+            assert h.nbytes == c.nbytes
+            assert _bits(homed_data) == _bits(copied), (pure, bucket_mb, w)
+            assert torch.equal(base_h, base_c)
+            if w is None:
+                assert all(torch.isfinite(t).all() for t in homed_data)
+            results[f"homed-{pure}-{bucket_mb}-{type(w).__name__}"] = _bits(homed_data)
+    # All weights 0: homed tensors untouched too. A replaced .data is moved back (and averaged).
+    homed_data = [torch.nn.Parameter(t) for t in _data(rank, True) if t.dtype == torch.float32]
+    before = [t.detach().clone() for t in homed_data]
+    h = BucketedAverager(homed_data, bucket_mb=24 / 2**20, home=True)
+    with pytest.raises(RuntimeError, match="weights of all ranks are 0"):
+        h.average(0.0)
+    assert all(torch.equal(a, b) for a, b in zip(homed_data, before))
+    homed_data[0].data = homed_data[0].data.clone()  # e.g. module.to() / load(assign=True)
+    h.average()
+    assert homed_data[0].data_ptr() == h.homed_tensors[0].data_ptr()
+    ref = [t for t, (_, dt) in zip(_reference(world, True), SHAPES) if dt == torch.float32]
+    assert all(torch.equal(a, b) for a, b in zip(homed_data, ref))
+    # What torch.save writes: a homed tensor's own bytes via own_storage, not the whole buffer.
+    import io
+
+    from hdet_megatron.averaging import own_storage
+
+    def saved(t):
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        return buf.getvalue()
+
+    p = homed_data[-1]
+    assert saved(own_storage(p)) == saved(p.detach().clone())
+    assert len(saved(p.detach())) > len(saved(own_storage(p)))  # the trap own_storage avoids
+    checks += 1
     return checks, results
 
 
 @pytest.mark.slow
 def test_bucketed_averaging_4_ranks():
     out = run_world(4, _averaging_world, timeout=120)
-    assert [c for c, _ in out] == [10] * 4  # every check ran on every rank
+    assert [c for c, _ in out] == [11] * 4  # every check ran on every rank
     results = [r for _, r in out]
     for key in results[0]:
         assert all(r[key] == results[0][key] for r in results[1:]), key  # same bits everywhere
