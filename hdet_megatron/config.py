@@ -102,6 +102,11 @@ def _default_axes() -> tuple[Axis, ...]:
     return (Axis("lr", 1.0 / 9.0),)
 
 
+#: Fields that change how, not what, HDET computes: left out of ``fingerprint()`` (checkpoints,
+#: run logs), so checkpoints stay what they were and a resume never reports them as changed.
+_NOT_FINGERPRINTED = ("home_main_params",)
+
+
 @dataclass(frozen=True)
 class HDETConfig:
     """Hyperparameter-Divergent Ensemble Training settings (defaults follow the paper)."""
@@ -135,6 +140,13 @@ class HDETConfig:
     """Seed of the counter-based generator of per-window permutations (global RNGs untouched)."""
     bucket_mb: float = 40.0
     """Bucket size of the converge all-reduce, in MiB."""
+    home_main_params: bool = True
+    """Move the tensors a converge averages (fp32 main params: Megatron's masters or DistOpt
+    shards, fp32 model params, FSDP2 local shards) into the converge's flat buckets once, so a
+    converge is an in-place all-reduce of each bucket (no pack/unpack copies). Tensors that
+    cannot be moved (bf16/fp16 params, views into another buffer such as DistOpt's fp32 shards)
+    keep the copying path, logged once. ``False``: always copy. Not a training setting: the
+    results are bit-identical either way, and it is not part of the checkpointed config."""
     converge_on_save: bool = True
     """Converge before a checkpoint is written, so the saved model is the averaged one."""
     nonfinite: str = "exclude"
@@ -220,6 +232,8 @@ class HDETConfig:
             raise bad("seed", self.seed, "must be an integer >= 0")
         if not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
             raise bad("bucket_mb", self.bucket_mb, "must be > 0 (MiB per converge bucket)")
+        if not isinstance(self.home_main_params, bool):
+            raise bad("home_main_params", self.home_main_params, "must be True or False")
         if not isinstance(self.converge_on_save, bool):
             raise bad("converge_on_save", self.converge_on_save, "must be True or False")
         if self.nonfinite not in ("exclude", "raise"):
@@ -240,6 +254,8 @@ class HDETConfig:
         """Plain-data view (for checkpoints and logs)."""
         out = {}
         for f in fields(self):
+            if f.name in _NOT_FINGERPRINTED:
+                continue
             value = getattr(self, f.name)
             if f.name == "axes":
                 value = [

@@ -11,16 +11,19 @@ module imports only the math (config, spread, controller, averaging), never the 
 from __future__ import annotations
 
 import fnmatch
+import logging
 import math
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from hdet_megatron.averaging import AverageStats, BucketedAverager
+from hdet_megatron.averaging import AverageStats, BucketedAverager, protect_module_state_dicts
 from hdet_megatron.config import HDETConfig
 from hdet_megatron.controller import AutoController, ControllerUpdate
 from hdet_megatron.spread import arm_axis_value, arm_spread
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["TorchRuntime"]
 
@@ -111,7 +114,20 @@ class _Runtime:
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.averager: Optional[BucketedAverager] = None
         if self.size > 1:
-            self.averager = BucketedAverager(self.params, group=self.group, bucket_mb=self.config.bucket_mb)
+            # Homing moves the params' storage into the averager's buckets; their modules'
+            # state dicts are then protected (own storage per tensor, as before) - which needs
+            # the model: with only an optimizer, its params keep the copying path.
+            home = self.config.home_main_params and model is not None
+            if self.config.home_main_params and model is None:
+                logger.warning(
+                    "HDETOneCycleLR: pass model=... to converge in place (home the params in the "
+                    "converge buckets); without it the copying path is used"
+                )
+            self.averager = BucketedAverager(
+                self.params, group=self.group, bucket_mb=self.config.bucket_mb, home=home
+            )
+            if self.averager.homed_tensors:
+                protect_module_state_dicts([model], self.averager.homed_tensors)
 
     def close(self) -> None:
         """Undo changes made to the model (nothing here; FSDP2 restores its gradient sync)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import pickle
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -27,6 +28,7 @@ class Run:
     pp: int = 1
     arms: Optional[int] = None
     dist_opt: bool = False
+    bf16: bool = False
     hdet: bool = True
     period: int = 2
     steps: int = 8
@@ -57,6 +59,7 @@ class Job:
             tp=run.tp, pp=run.pp, num_layers=2,
             use_distributed_optimizer=run.dist_opt,
             num_distributed_optimizer_instances=arms if run.dist_opt else 1,
+            bf16=run.bf16,
         )
         toy.init_parallel(self.setup)
         self.model = toy.build_model(self.setup)
@@ -362,5 +365,46 @@ def rules(rank, world_size, root):
                      "warned": any("mixes arms" in m for m in capture.messages)}
     hdet.close()
     setup_job.close()
+
+    # 8. Homed main params (issue 19) write the same checkpoint bytes as separately stored ones
+    #    (what every run wrote before homing): save (A), give every homed tensor its own storage
+    #    again, save the same state (B), compare every file; then load A back.
+    out["homed_files"] = {}
+    for name, variant in (("fp32", {}), ("bf16", {"bf16": True}),
+                          ("bf16_distopt", {"bf16": True, "dist_opt": True})):
+        job = Job(replace(base, steps=4, **variant), world_size)
+        job.seek(0)
+        job.train_until(4)
+        homed = job.hdet.averager.homed_tensors
+        assert homed and job.hdet.averager.homed_numel == job.hdet.averager.numel, name
+        for fmt in ("torch", "torch_dist"):
+            job.save(os.path.join(root, "homed", name, "A", fmt), fmt)
+        params = job.params()
+        for t in homed:
+            t.data = t.data.clone()
+        for fmt in ("torch", "torch_dist"):
+            job.save(os.path.join(root, "homed", name, "B", fmt), fmt)
+        dist.barrier()
+        files = {}
+        a_root = os.path.join(root, "homed", name, "A")
+        for dirpath, _, names in os.walk(a_root):
+            for f in names:
+                rel = os.path.relpath(os.path.join(dirpath, f), a_root)
+                with open(os.path.join(a_root, rel), "rb") as fa, \
+                        open(os.path.join(root, "homed", name, "B", rel), "rb") as fb:
+                    same = fa.read() == fb.read()
+                    if not same and f == ".metadata":  # DCP's: compare all but storage_meta
+                        # (its checkpoint_id is the directory, its save_id a fresh uuid)
+                        ma, mb = (pickle.load(open(os.path.join(r, rel), "rb"))
+                                  for r in (a_root, os.path.join(root, "homed", name, "B")))
+                        same = (ma.state_dict_metadata, ma.storage_data, ma.planner_data) == (
+                            mb.state_dict_metadata, mb.storage_data, mb.planner_data)
+                    files[rel] = (same, os.path.getsize(os.path.join(a_root, rel)))
+        loaded = {}
+        for fmt in ("torch", "torch_dist"):
+            job.load(os.path.join(root, "homed", name, "A", fmt))
+            loaded[fmt] = job.params() == params
+        out["homed_files"][name] = {"files": files, "loaded": loaded}
+        job.close()
     logging.getLogger("hdet_megatron").removeHandler(capture)
     return out

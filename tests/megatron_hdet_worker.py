@@ -50,6 +50,29 @@ def model_params(model) -> list[torch.Tensor]:
     return [p for chunk in model for p in chunk.module.parameters()]
 
 
+def check_homed_converge(hdet, before, metrics) -> int:
+    """The converge HDET just did (homed main params: in-place all-reduce) gave the same bits as
+    the copying path does on the same inputs: rerun it with a copying averager from ``before``."""
+    from hdet_megatron.averaging import BucketedAverager
+
+    tensors = hdet.averager.tensors
+    after = [t.detach().clone() for t in tensors]
+    copying = getattr(hdet, "_test_copying", None)
+    if copying is None:
+        copying = hdet._test_copying = BucketedAverager(
+            tensors, group=hdet.layout.cross_arm_group, bucket_mb=hdet.config.bucket_mb, home=False)
+    assert not metrics.excluded
+    with torch.no_grad():
+        for t, b in zip(tensors, before):
+            t.copy_(b)
+        copying.average()
+        for t, a in zip(tensors, after):
+            assert torch.equal(t.view(torch.uint8) if t.dtype == torch.bfloat16 else t, a.view(
+                torch.uint8) if a.dtype == torch.bfloat16 else a), "homed and copying converge differ"
+            t.copy_(a)
+    return 1
+
+
 def run(rank: int, world_size: int, sc: Scenario) -> dict:
     """Train ``sc.steps`` iterations; return per-step LRs, digests and HDET metrics."""
     instances = (sc.arms or (world_size // (sc.tp * sc.pp))) if sc.dist_opt else 1
@@ -118,10 +141,15 @@ def run(rank: int, world_size: int, sc: Scenario) -> dict:
             try:
                 losses, ok = toy.train_step(setup, model, optimizer, data)
                 scheduler.step(1)
+                converging = hdet is not None and hdet.steps_in_window + 1 >= hdet.config.period
+                before = [t.detach().clone() for t in hdet.averager.tensors] if converging else None
                 metrics = hdet.step(losses) if hdet is not None else None
             finally:
                 if sc.count_bytes:
                     counter.__exit__()
+            if metrics is not None:
+                out["homing_checks"] = out.get("homing_checks", 0) + check_homed_converge(
+                    hdet, before, metrics)
             assert ok
             if out["last_stage"]:
                 out["losses"].append(float(torch.stack([o["lm loss"] for o in losses]).mean()))
@@ -166,6 +194,8 @@ def run(rank: int, world_size: int, sc: Scenario) -> dict:
         out["final_model"] = digest(model_params(model))
         if hdet is not None:
             out["averaged_bytes"] = hdet.averager.nbytes
+            out["homed_numel"] = hdet.averager.homed_numel
+            out["averaged_numel"] = hdet.averager.numel
             hdet.close()
     return out
 

@@ -126,3 +126,16 @@ def test_save_without_converge_keeps_window_losses_and_late_runtime(rule_results
         assert got["saved"]["steps_in_window"] == 1 and got["saved"]["arm_loss_sums"] is not None
         assert got["loaded"] == got["saved"]
         assert got["warned"]
+
+
+@pytest.mark.slow
+def test_homed_main_params_write_the_same_checkpoint_bytes(rule_results):
+    """fp32 params, bf16 masters and DistOpt bf16 shards homed in the converge buckets: both
+    checkpoint kinds are byte-identical to the same state stored without homing, and load back."""
+    for r in rule_results:
+        for name, got in r["homed_files"].items():
+            files = got["files"]
+            assert any(f.endswith(".pt") for f in files) and any(f.endswith(".distcp") for f in files)
+            different = [f for f, (same, _) in files.items() if not same]
+            assert not different, (name, different)
+            assert got["loaded"] == {"torch": True, "torch_dist": True}, name

@@ -23,6 +23,12 @@ def _worlds(world_size, scenarios, timeout=400):
 
 def check_hdet_run(sc: Scenario, results: list[dict]) -> None:
     num_arms = len({r["arm"] for r in results})
+    # 0. Main params live in the converge buckets (homed), except DistOpt's fp32 shards (views
+    #    of DDP's param buffer: copying path); every converge matched the copying path bit for bit.
+    for r in results:
+        want = 0 if sc.dist_opt and not sc.bf16 else r["averaged_numel"]
+        assert r["homed_numel"] == want and r["averaged_numel"] > 0, (sc, r["homed_numel"])
+        assert r["homing_checks"] == len(r["history"]) > 0
     steps, period = sc.steps, sc.period
     # 1. Every rank of one arm (all TP/PP ranks, all replicas of the arm) applies the same LR.
     for step in range(steps):

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from hdet_megatron.averaging import BucketedAverager
+from hdet_megatron.averaging import BucketedAverager, Homer, own_storage, protect_module_state_dicts
 from hdet_megatron.config import HDETConfig
 from hdet_megatron.controller import AllArmsNonFinite, ControllerUpdate
 from hdet_megatron.megatron import cpu as _cpu  # noqa: F401
@@ -77,6 +77,15 @@ class WindowMetrics:
     arm_train_losses: Optional[list[float]] = None
     """Mean training loss of each arm over the window (equal to ``arm_losses`` with
     ``signal="train"``)."""
+    grad_bytes_per_step: Optional[int] = None
+    """Bytes of gradients this rank reduces per step in Megatron DDP's data-parallel gradient
+    sync (its grad buffers: all-reduce, or reduce-scatter with DistOpt), for comparison with
+    ``converge_bytes / steps``; None when the chunks have no Megatron grad buffers (FSDP2)."""
+
+    @property
+    def converge_bytes_per_step(self) -> float:
+        """Converge traffic of this rank amortized over the window's steps."""
+        return self.converge_bytes / max(self.steps, 1)
 
 
 def _sub_optimizers(optimizer) -> list:
@@ -114,6 +123,58 @@ def _sanitize_optimizer_state(optimizer) -> None:
                     torch.nan_to_num_(value, nan=0.0, posinf=0.0, neginf=0.0)
 
 
+def _grad_buffer_bytes(chunks) -> Optional[int]:
+    """Bytes of Megatron DDP's gradient buffers on this rank (``DistributedDataParallel.buffers``
+    and ``expert_parallel_buffers``, each a ``_ParamAndGradBuffer`` with ``grad_data``): what
+    its data-parallel gradient sync reduces per step. None without such buffers."""
+    total, found = 0, False
+    for chunk in chunks:
+        for buf in list(getattr(chunk, "buffers", None) or []) + list(
+            getattr(chunk, "expert_parallel_buffers", None) or []
+        ):
+            grad = getattr(buf, "grad_data", None)
+            if isinstance(grad, torch.Tensor):
+                total += grad.numel() * grad.element_size()
+                found = True
+    return total if found else None
+
+
+def _copying_state_dict(method, homed_ids: set[int]):
+    """``Float16OptimizerWithFloat16Params.state_dict`` returning copies of homed masters."""
+
+    def state_dict(*args, **kwargs):
+        state = method(*args, **kwargs)
+        groups = state.get("fp32_from_fp16_params")
+        if groups is not None:
+            state["fp32_from_fp16_params"] = [
+                [own_storage(p) if id(p) in homed_ids else p for p in group] for group in groups
+            ]
+        return state
+
+    state_dict.__wrapped__ = method
+    return state_dict
+
+
+def _copying_param_state(method, homed_ids: set[int]):
+    """``DistributedOptimizer.get_parameter_state_dp_reshardable`` with copies of homed shards."""
+
+    def get_parameter_state_dp_reshardable(*args, **kwargs):
+        state = method(*args, **kwargs)
+        for dtype_state in state.values():
+            if not isinstance(dtype_state, dict):
+                continue
+            for buckets in dtype_state.values():
+                for bucket in buckets:
+                    for tensors in bucket:
+                        param = tensors.get("param") if isinstance(tensors, dict) else None
+                        if param is not None and id(param) in homed_ids:
+                            tensors["param"] = own_storage(param)
+        return state
+
+    get_parameter_state_dp_reshardable.__wrapped__ = method
+    return get_parameter_state_dp_reshardable
+
+
 class RollbackStore:
     """The last converged main params, in host memory or on disk (one file per rank)."""
 
@@ -135,7 +196,7 @@ class RollbackStore:
                 dst.copy_(src)
         else:
             tmp = self.path + ".tmp"
-            torch.save([t.detach().cpu() for t in self.tensors], tmp)
+            torch.save([own_storage(t).cpu() for t in self.tensors], tmp)
             os.replace(tmp, self.path)  # never leave a half-written snapshot
 
     @torch.no_grad()
@@ -200,9 +261,17 @@ class HDET:
         self._param_ids = [id(p) for p in main_params(optimizer)]
         # The tensors converge averages (subclasses: e.g. local shards of FSDP2 DTensors).
         self._main_params = self._converge_tensors(main_params(optimizer))
+        averaged, homer = self._averaged_tensors()
         self.averager = BucketedAverager(
-            self._main_params, group=self.layout.cross_arm_group, bucket_mb=config.bucket_mb
+            averaged,
+            group=self.layout.cross_arm_group,
+            bucket_mb=config.bucket_mb,
+            home=homer if config.home_main_params else False,
         )
+        # Homing may replace tensor objects (FSDP2 local shards): read them again.
+        self._main_params = self._converge_tensors(main_params(optimizer))
+        self._protect_state_dicts()
+        self.grad_bytes_per_step = _grad_buffer_bytes(self.model)
         self.module_axes = ModuleAxes(self.model, config, self.layout.arm)
         self.grad_sync = self._make_grad_sync()
         self.grad_sync.install()
@@ -236,6 +305,45 @@ class HDET:
     def _make_grad_sync(self):
         """The object that installs ``config.grad_sync`` on the model chunks."""
         return ArmGradSync(self.model, self.layout, self.config.grad_sync, self._distopt)
+
+    def _averaged_tensors(self) -> tuple[list[torch.Tensor], Homer]:
+        """What the averager averages, and how it homes them (``config.home_main_params``).
+
+        The default sets ``tensor.data``, which keeps every Python reference Megatron holds
+        valid: ``Float16OptimizerWithFloat16Params.fp32_from_float16_groups``, the
+        ``model_param.main_param`` handles, ``DistributedOptimizer.shard_fp32_from_float16_groups``
+        (``shard_model_param.clone().float()``: own storage), the inner optimizer's
+        ``param_groups`` and its ``state`` (keyed by these objects). DistOpt's fp32
+        ``shard_fp32_groups`` are views of DDP's ``param_data`` (``model_param.view(-1)[range]``)
+        and are refused by :func:`~hdet_megatron.averaging.home_reason` (copying path).
+        """
+        return self._main_params, Homer()
+
+    def _protect_state_dicts(self) -> None:
+        """Checkpoints write what they wrote before homing (own storage per tensor, not the
+        averager's whole buffer): module state dicts get a copying post-hook, and the two
+        Megatron methods that put main params themselves into a ``torch.save``-d structure
+        return copies: ``Float16OptimizerWithFloat16Params.state_dict()`` (its
+        ``fp32_from_fp16_params`` entry is ``self.fp32_from_float16_groups``) and
+        ``DistributedOptimizer.get_parameter_state_dp_reshardable()`` (``"param"`` is the main
+        param, via ``_get_main_param_and_optimizer_states``). Both are only read on load
+        (``load_state_dict`` copies ``saved_param.data`` into the live main params,
+        ``load_parameter_state_from_dp_reshardable`` goes through
+        ``_set_main_param_and_optimizer_states``), so copies load the same."""
+        homed = self.averager.homed_tensors
+        if not homed:
+            return
+        ids = {id(t) for t in homed}
+        self._state_dict_hooks = protect_module_state_dicts(self.model, homed)
+        for sub in _sub_optimizers(self.optimizer):
+            if getattr(sub, "is_stub_optimizer", False):
+                continue
+            if hasattr(sub, "fp32_from_float16_groups") and "state_dict" not in vars(sub):
+                sub.state_dict = _copying_state_dict(sub.state_dict, ids)
+            if isinstance(sub, DistributedOptimizer) and "get_parameter_state_dp_reshardable" not in vars(sub):
+                sub.get_parameter_state_dp_reshardable = _copying_param_state(
+                    sub.get_parameter_state_dp_reshardable, ids
+                )
 
     # -- setup checks ----------------------------------------------------------------------------
     def _check_optimizer(self) -> None:
@@ -366,7 +474,9 @@ class HDET:
                 raise
             return self._roll_back(arm_losses, arm_values, forced, train_losses)
         start = time.perf_counter()
-        weight = 0.0 if self.layout.arm in excluded else 1.0
+        # Weights only when some arm is excluded (every rank knows ``excluded`` alike): a plain
+        # mean needs no up-front weight reduction.
+        weight = None if not excluded else (0.0 if self.layout.arm in excluded else 1.0)
         stats = self.averager.average(weights=weight)
         self._refresh_model_params()
         if self.layout.arm in excluded:
@@ -387,6 +497,7 @@ class HDET:
             converge_bytes=stats.bytes,
             forced=forced,
             arm_train_losses=train_losses,
+            grad_bytes_per_step=self.grad_bytes_per_step,
         )
         self.last_update = update
         self.history.append(metrics)

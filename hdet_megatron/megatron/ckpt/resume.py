@@ -22,6 +22,8 @@ megatron.core.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -95,7 +97,10 @@ def _merge_config(current: HDETConfig, ckpt: HDETConfig, mode: str) -> tuple[HDE
     merged = ckpt_fp
     for key in STRUCTURAL_FIELDS:
         merged[key] = cur_fp[key]
-    return HDETConfig.from_fingerprint(merged), changed
+    # Not in fingerprints (how the converge runs, not what it computes): always this run's.
+    return dataclasses.replace(
+        HDETConfig.from_fingerprint(merged), home_main_params=current.home_main_params
+    ), changed
 
 
 def _controller_state_for(config: HDETConfig, state: Mapping, dropped: list[str]) -> dict:
