@@ -49,12 +49,13 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from hdet_megatron.averaging import BucketedAverager
+from hdet_megatron.averaging import BucketedAverager, Homer
 from hdet_megatron.config import HDETConfig
 from hdet_megatron.torch_runtime import _Runtime
 
 __all__ = [
     "FSDP2GradSync",
+    "FSDP2Homer",
     "FSDPRuntime",
     "FSDPSetupError",
     "HSDPArms",
@@ -249,6 +250,64 @@ def local_shards(tensors: Iterable[torch.Tensor], arms: Optional[HSDPArms] = Non
     return out
 
 
+class FSDP2Homer(Homer):
+    """Averaged tensors and homing for FSDP2 sharded parameters (torch 2.13 ``FSDPParam``).
+
+    FSDP2 keeps each sharded parameter in a padded 1-D tensor, ``FSDPParam._sharded_param_data``
+    (what its all-gather reads, ``FSDPParam.all_gather_inputs``); the DTensor's local tensor
+    ``sharded_param._local_tensor`` is a ``narrow`` view of it (padding: dim-0 shards of uneven
+    size). A converge averages the padded tensor (the padding is zeros on every rank: FSDP
+    creates it with ``new_zeros`` and nothing writes it), with or without homing, so the two
+    paths all-reduce the same layout. Homing points both attributes at a view of the averager's
+    flat buffer, as ``FSDPParam.reset_sharded_param`` does after ``load_state_dict(assign=True)``
+    (a later ``reset_sharded_param`` sees the same storage and keeps it). A parameter not managed
+    this way (CPU offload, tensor-subclass extensions, a plain tensor) is averaged as its local
+    shard, on the copying path.
+    """
+
+    def __init__(self, models, dtensors) -> None:
+        self._by_param = {}
+        for model in models:
+            if model is None:
+                continue
+            for group in _fsdp_param_groups(model):
+                for fp in group.fsdp_params:
+                    self._by_param[id(fp.sharded_param)] = fp
+        self._by_data: dict[int, Any] = {}
+        self.tensors: list[torch.Tensor] = []
+        DTensor = _dtensor_cls()
+        for t in dtensors:
+            fp = self._by_param.get(id(t))
+            data = getattr(fp, "_sharded_param_data", None) if fp is not None else None
+            if (
+                isinstance(t, DTensor)
+                and type(data) is torch.Tensor
+                and not getattr(fp, "offload_to_cpu", False)
+                and t._local_tensor.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+                and t._local_tensor.data_ptr() == data.data_ptr()
+            ):
+                self._by_data[id(data)] = fp
+                self.tensors.append(data)
+            else:
+                self.tensors.append(t.to_local() if isinstance(t, DTensor) else t)
+
+    def reason(self, tensor: torch.Tensor) -> Optional[str]:
+        if id(tensor) not in self._by_data:
+            return "it is not the padded local shard of an FSDP2 parameter (FSDPParam)"
+        if tensor.dtype not in (torch.float32, torch.float64):
+            return f"its dtype {tensor.dtype} is averaged in a float32 bucket (the copy is the cast)"
+        return None
+
+    def install(self, tensor: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+        fp = self._by_data[id(tensor)]
+        local = fp.sharded_param._local_tensor
+        dim = fp.fsdp_placement.dim
+        length = local.size(dim) if local.numel() > 0 else 0
+        fp._sharded_param_data = view
+        fp.sharded_param._local_tensor = view.view(fp.padded_sharded_param_size).narrow(dim, 0, length)
+        return view
+
+
 # --------------------------------------------------------------------------------------------
 # Gradient synchronisation
 # --------------------------------------------------------------------------------------------
@@ -402,9 +461,16 @@ class FSDPRuntime(_Runtime):
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.averager: Optional[BucketedAverager] = None
         if self.arms.num_replicas > 1:
+            # Averaged: FSDP2's padded local shards; homed into the averager's buckets unless
+            # config.home_main_params is off (FSDP2Homer).
+            homer = FSDP2Homer([model], self.dtensors)
             self.averager = BucketedAverager(
-                self.params, group=self.arms.replicate_group, bucket_mb=self.config.bucket_mb
+                homer.tensors,
+                group=self.arms.replicate_group,
+                bucket_mb=self.config.bucket_mb,
+                home=homer if self.config.home_main_params else False,
             )
+            self.params = local_shards(self.dtensors, self.arms)  # homing replaced local tensors
 
     def close(self) -> None:
         if self.grad_sync is not None:

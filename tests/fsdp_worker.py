@@ -148,7 +148,12 @@ def run(rank: int, world_size: int, sc: FSDPScenario) -> dict:
         out["grad_calls"][step] = counter.calls
         out["losses"][step] = float(loss)
         before = sched.hdet and sched._hdet.num_converges
+        averager = sched.averager
+        snapshot = [t.detach().clone() for t in averager.tensors] if averager is not None else None
         sched.step(loss.detach())
+        if sched.hdet and sched._hdet.num_converges != before and averager is not None:
+            out["homing_checks"] = out.get("homing_checks", 0) + check_homed_converge(
+                averager, snapshot, sched.last_update)
         if sched.hdet and sched._hdet.num_converges != before:
             out["history"].append(
                 {"step": step, "first": window_start, "arm_losses": list(sched.last_update.arm_losses),
@@ -168,7 +173,31 @@ def run(rank: int, world_size: int, sc: FSDPScenario) -> dict:
                 window_start = step + 1
     sched.close()
     out["seconds"] = time.perf_counter() - t0
+    if sched.averager is not None:
+        out["homed_numel"] = sched.averager.homed_numel
+        out["averaged_numel"] = sched.averager.numel
     return out
+
+
+def check_homed_converge(averager, before, update) -> int:
+    """The converge just done (homed: in place) equals the copying path's on the same inputs."""
+    from hdet_megatron.averaging import BucketedAverager
+
+    tensors = averager.tensors
+    after = [t.detach().clone() for t in tensors]
+    copying = getattr(averager, "_test_copying", None)
+    if copying is None:
+        copying = averager._test_copying = BucketedAverager(
+            tensors, group=averager.group, bucket_mb=averager.bucket_bytes / 2**20, home=False)
+    assert update is None or not update.excluded
+    with torch.no_grad():
+        for t, b in zip(tensors, before):
+            t.copy_(b)
+        copying.average()
+        for t, a in zip(tensors, after):
+            assert torch.equal(t, a), "homed and copying converge differ"
+            t.copy_(a)
+    return 1
 
 
 def run_many(rank, world_size, scenarios):

@@ -17,6 +17,11 @@ def check_hdet_run(sc: FSDPScenario, results: list[dict]) -> None:
     """The must-shows for one HDET run (all ranks' records)."""
     num_arms = len({r["arm"] for r in results})
     period = sc.period
+    # 0. FSDP2's padded local shards live in the converge buckets; every converge matched the
+    #    copying path bit for bit.
+    for r in results:
+        assert r["homed_numel"] == r["averaged_numel"] > 0
+        assert r.get("homing_checks", 0) == len(r["history"])
     steps = sorted(results[0]["lrs"])
     # 1. Every rank of one arm (all its shard ranks and replicas) uses the same LR; arms differ.
     for step in steps:

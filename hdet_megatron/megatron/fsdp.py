@@ -46,10 +46,16 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from hdet_megatron.fsdp import PURE_FSDP_EXPLANATION, FSDPSetupError, HSDPRequired, local_shards
+from hdet_megatron.fsdp import (
+    PURE_FSDP_EXPLANATION,
+    FSDP2Homer,
+    FSDPSetupError,
+    HSDPRequired,
+    local_shards,
+)
 from hdet_megatron.megatron import cpu as _cpu  # noqa: F401  (shims before megatron.core)
 from hdet_megatron.megatron.layout import ArmLayout, HDETSetupError
-from hdet_megatron.megatron.runtime import HDET
+from hdet_megatron.megatron.runtime import HDET, main_params
 from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
 from megatron.core.distributed.torch_fully_sharded_data_parallel_config import (
     TorchFullyShardedDataParallelConfig,
@@ -225,6 +231,11 @@ class TorchFSDPHDET(HDET):
                     f"ranks {arm_ranks}. {PURE_FSDP_EXPLANATION.split('. Build')[0]}"
                 )
         return local_shards(params)
+
+    def _averaged_tensors(self):
+        """FSDP2's padded local shards of the main params, homed by :class:`FSDP2Homer`."""
+        homer = FSDP2Homer(self.model, main_params(self.optimizer))
+        return homer.tensors, homer
 
     def _make_grad_sync(self):
         return TorchFSDPGradSync(self.model, self.layout, self.config.grad_sync)
