@@ -14,7 +14,9 @@ by :mod:`hdet_megatron.report`:
   loss means, or with ``signal`` "probe" each arm's loss on the shared probe batch),
   ``arm_train_losses`` (window training loss means), ``arm_values`` (per axis, the
   spread each arm used), ``arm_lrs``, ``scales`` (after the update), ``update`` (the controller
-  update), ``converge_seconds``, ``converge_bytes``, ``forced``.
+  update), ``converge_seconds``, ``converge_bytes`` (this rank's converge all-reduce payload),
+  ``converge_bytes_per_step`` (the same over the window's steps), ``grad_bytes_per_step`` (this
+  rank's data-parallel gradient-sync payload per step, Megatron DDP's grad buffers), ``forced``.
 * ``valid`` / ``test``: ``loss``, ``ppl``, ``arm_losses`` (each arm's current model),
   ``converged`` (all replicas equal: the averaged model).
 * ``checkpoint``: ``path``, ``seconds``; ``final``: wall time and last losses.
@@ -103,6 +105,8 @@ class MetricsWriter:
                 put(f"hdet/scale_{name}", v)
             put("hdet/converge_seconds", r.get("converge_seconds"))
             put("hdet/converge_bytes", r.get("converge_bytes"))
+            put("hdet/converge_bytes_per_step", r.get("converge_bytes_per_step"))
+            put("hdet/grad_bytes_per_step", r.get("grad_bytes_per_step"))
         elif kind in ("valid", "test"):
             put(f"{kind}/loss", r.get("loss"))
             put(f"{kind}/ppl", r.get("ppl"))

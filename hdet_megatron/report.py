@@ -149,6 +149,14 @@ def summary(run: Run) -> str:
         share = f", {100 * conv_s / train_s:.2f}% of train time" if train_s > 0 else ""
         lines.append(f"{len(run.windows)} converges: {conv_s:.3f} s total{share}, "
                      f"{conv_b / 1e6:.2f} MB all-reduced per rank each")
+        per_step = _mean(w.get("converge_bytes_per_step") for w in run.windows)
+        grad = _mean(w.get("grad_bytes_per_step") for w in run.windows)
+        if per_step is not None and math.isfinite(per_step):
+            traffic = f"converge traffic {per_step / 1e6:.3f} MB per rank per step"
+            if grad is not None and math.isfinite(grad) and grad > 0:
+                traffic += (f", DP gradient sync {grad / 1e6:.2f} MB per rank per step "
+                            f"(converge = {100 * per_step / grad:.2f}% of it)")
+            lines.append(traffic)
         wins = _lr_wins(run)
         if wins:
             lines.append(f"lowest window loss: higher-LR arm {wins[0]}x, lower-LR arm {wins[1]}x, "

@@ -168,6 +168,8 @@ def run(rank: int, world_size: int, sc: Scenario) -> dict:
                         "update": metrics.update,
                         "arm_values": metrics.arm_values,
                         "bytes": metrics.converge_bytes,
+                        "grad_bytes": metrics.grad_bytes_per_step,
+                        "bytes_per_step": metrics.converge_bytes_per_step,
                     }
                 )
                 window_bytes.append(counter.bytes)

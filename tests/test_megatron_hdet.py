@@ -23,12 +23,16 @@ def _worlds(world_size, scenarios, timeout=400):
 
 def check_hdet_run(sc: Scenario, results: list[dict]) -> None:
     num_arms = len({r["arm"] for r in results})
+    period = sc.period
     # 0. Main params live in the converge buckets (homed), except DistOpt's fp32 shards (views
     #    of DDP's param buffer: copying path); every converge matched the copying path bit for bit.
     for r in results:
         want = 0 if sc.dist_opt and not sc.bf16 else r["averaged_numel"]
         assert r["homed_numel"] == want and r["averaged_numel"] > 0, (sc, r["homed_numel"])
         assert r["homing_checks"] == len(r["history"]) > 0
+        # Converge traffic next to the DP gradient sync's (Megatron DDP's grad buffers).
+        for h in r["history"]:
+            assert h["grad_bytes"] > 0 and h["bytes_per_step"] == h["bytes"] / period
     steps, period = sc.steps, sc.period
     # 1. Every rank of one arm (all TP/PP ranks, all replicas of the arm) applies the same LR.
     for step in range(steps):
@@ -56,7 +60,7 @@ def check_hdet_run(sc: Scenario, results: list[dict]) -> None:
     # 3. The controller update is the same on every rank of the world...
     assert len(results[0]["history"]) == len(converged_steps)
     def controller_view(r):  # converge bytes differ per shard; the controller must not
-        return [{k: v for k, v in h.items() if k != "bytes"} for h in r["history"]]
+        return [{k: v for k, v in h.items() if "bytes" not in k} for h in r["history"]]
 
     for r in results[1:]:
         assert controller_view(r) == controller_view(results[0])

@@ -33,7 +33,8 @@ def _write_run(run_dir, hdet=True, steps=40, period=10, resumed_at=None):
             w.write({"type": "window", "iteration": it, "window": it // period - 1, "steps": period,
                      "arm_losses": [loss + 0.02, loss - 0.02], "arm_values": {"lr": [0.8, 1.2]},
                      "arm_lrs": lrs, "scales": {"lr": scale}, "converge_seconds": 0.01,
-                     "converge_bytes": 1000, "forced": False})
+                     "converge_bytes": 1000, "converge_bytes_per_step": 100.0,
+                     "grad_bytes_per_step": 40000, "forced": False})
         if it % 20 == 0:
             w.write({"type": "valid", "iteration": it, "loss": loss + 0.1, "ppl": math.exp(loss + 0.1),
                      "arm_losses": [loss + 0.1] * arms, "converged": True})
@@ -49,6 +50,8 @@ def test_report_hdet_run(tmp_path):
     assert "validation loss" in text and "4 converges" in text and "0.40% of train time" in text
     assert "higher-LR arm 4x, lower-LR arm 0x, of 4 windows" in text
     assert "controller lr scale 1.0000 -> 1.0406" in text
+    assert "converge traffic 0.000 MB per rank per step, DP gradient sync 0.04 MB" in text
+    assert "(converge = 0.25% of it)" in text
     with open(png, "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
 

@@ -113,6 +113,8 @@ class RunLog:
                   "arm_values": m.arm_values, "arm_lrs": lrs["arm_lrs"], "base_lr": lrs["base_lr"],
                   "scales": m.scales, "update": m.update, "excluded": m.excluded,
                   "converge_seconds": m.converge_seconds, "converge_bytes": m.converge_bytes,
+                  "converge_bytes_per_step": m.converge_bytes_per_step,
+                  "grad_bytes_per_step": m.grad_bytes_per_step,
                   "forced": m.forced}
         self.write(record)
         if not self.args.quiet:
