@@ -10,7 +10,10 @@ averages its parameter list across the 4 gloo ranks with:
   (one ``torch.cat`` of everything, one all-reduce, copy back);
 * ``flat_limit``: one all-reduce of a *preallocated* flat buffer of the same bytes, no packing:
   the transport's limit;
-* ``bucketed[X MB]``: :class:`hdet_megatron.averaging.BucketedAverager` for each bucket size;
+* ``bucketed[X MB]``: :class:`hdet_megatron.averaging.BucketedAverager` for each bucket size
+  (copying path: pack into a bucket buffer, all-reduce, divide-unpack);
+* ``homed[X MB]``: the same averager with ``home=True`` (what the HDET runtimes use by default):
+  the tensors live in its flat buckets, a converge is an in-place all-reduce + divide per bucket;
 * ``pack_unpack_only[40MB]``: the averager's two memory passes without any communication (what
   it costs on top of the transport).
 
@@ -103,6 +106,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--bucket-mb", type=float, nargs="+", default=[1, 4, 16, 40, 100])
+    p.add_argument("--home-mb", type=float, nargs="*", default=[40],
+                   help="bucket sizes of the homed (in-place) averager")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -116,6 +121,14 @@ def main() -> None:
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     flat = torch.empty(numel, dtype=torch.float32)
     averagers = {mb: BucketedAverager(tensors, bucket_mb=mb) for mb in args.bucket_mb}
+    # Homing moves the tensors' storage into the averager's flat buffer, once: each homed averager
+    # gets its own copy of the tensors (the main params a run would home), built and homed here,
+    # outside the timed calls.
+    homed = {}
+    for mb in args.home_mb:
+        own = [t.clone() for t in tensors]
+        homed[mb] = BucketedAverager(own, bucket_mb=mb, home=True)
+        assert homed[mb].homed_numel == numel
     methods = {
         "per_tensor": lambda: per_tensor(tensors, n),
         "average_parameters": lambda: average_parameters(iter(tensors), None),
@@ -123,6 +136,8 @@ def main() -> None:
     }
     for mb, avg in averagers.items():
         methods[f"bucketed[{mb:g}MB]"] = avg.average
+    for mb, avg in homed.items():
+        methods[f"homed[{mb:g}MB]"] = avg.average
     # Decomposition, no communication: the bucketed averager's own memory passes (pack into the
     # bucket, divide-unpack into the tensors; divisor 1 keeps the values) for the default size.
     default_mb = 40.0 if 40.0 in averagers else max(averagers)
@@ -140,8 +155,11 @@ def main() -> None:
         "flat_limit": nbytes,  # the preallocated buffer itself (held permanently)
         **{f"bucketed[{mb:g}MB]": avg.buffer_nbytes for mb, avg in averagers.items()},
         f"pack_unpack_only[{default_mb:g}MB]": copy_only.buffer_nbytes,
+        **{f"homed[{mb:g}MB]": avg.buffer_nbytes for mb, avg in homed.items()},
     }
+    load_start = os.getloadavg()
     if rank == 0:
+        print(f"[converge] load average (1/5/15 min) at start: {load_start}", flush=True)
         print(f"[converge] {len(tensors)} tensors, {numel / 1e6:.1f}M params, "
               f"{nbytes / 2**20:.0f} MiB fp32, {n} gloo ranks, {args.reps} rounds", flush=True)
     times: dict[str, list[float]] = {k: [] for k in methods}
@@ -175,6 +193,7 @@ def main() -> None:
                 "peak_rss_extra_mib": mem[name] / 2**20,
                 "allocated_by_construction_mib": by_construction[name] / 2**20,
             })
+        print(f"[converge] load average at end: {os.getloadavg()}")
         print(f"{'method':22s} {'median s':>9s} {'x limit':>8s} {'vs per-tensor':>13s} "
               f"{'peak RSS+ MiB':>13s} {'buffers MiB':>11s}")
         for r in rows:
@@ -184,6 +203,7 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "converge.json"), "w") as f:
             json.dump({"params": numel, "bytes": nbytes, "ranks": n, "reps": args.reps,
+                       "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
                        "torch": torch.__version__, "rows": rows}, f, indent=2)
     dist.destroy_process_group()
 
