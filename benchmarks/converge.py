@@ -109,6 +109,8 @@ def main() -> None:
     p.add_argument("--home-mb", type=float, nargs="*", default=[40],
                    help="bucket sizes of the homed (in-place) averager")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--no-average-parameters", action="store_true",
+                   help="leave out torch's average_parameters (slow, allocates a model copy per call)")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -131,7 +133,8 @@ def main() -> None:
         assert homed[mb].homed_numel == numel
     methods = {
         "per_tensor": lambda: per_tensor(tensors, n),
-        "average_parameters": lambda: average_parameters(iter(tensors), None),
+        **({} if args.no_average_parameters else
+           {"average_parameters": lambda: average_parameters(iter(tensors), None)}),
         "flat_limit": lambda: (dist.all_reduce(flat), flat.div_(n)),
     }
     for mb, avg in averagers.items():
@@ -151,7 +154,7 @@ def main() -> None:
     methods[f"pack_unpack_only[{default_mb:g}MB]"] = pack_unpack
     by_construction = {
         "per_tensor": 0,
-        "average_parameters": nbytes,
+        **({} if args.no_average_parameters else {"average_parameters": nbytes}),
         "flat_limit": nbytes,  # the preallocated buffer itself (held permanently)
         **{f"bucketed[{mb:g}MB]": avg.buffer_nbytes for mb, avg in averagers.items()},
         f"pack_unpack_only[{default_mb:g}MB]": copy_only.buffer_nbytes,
@@ -163,41 +166,59 @@ def main() -> None:
         print(f"[converge] {len(tensors)} tensors, {numel / 1e6:.1f}M params, "
               f"{nbytes / 2**20:.0f} MiB fp32, {n} gloo ranks, {args.reps} rounds", flush=True)
     times: dict[str, list[float]] = {k: [] for k in methods}
+    cpu: dict[str, list[float]] = {k: [] for k in methods}
     mem: dict[str, int] = {k: 0 for k in methods}
+    names = list(methods)
     for name, fn in methods.items():  # warm-up (first-touch of buffers, gloo pairs)
         fn()
     for rep in range(args.reps):
-        for name, fn in methods.items():
+        # Rotate the order every round: no method always follows the same neighbour.
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            fn = methods[name]
             dist.barrier()
             with PeakRSS() as peak:
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 fn()
-                elapsed = time.perf_counter() - start
-            # the slowest rank defines a collective's time
+                elapsed, used = time.perf_counter() - start, time.process_time() - start_cpu
+            # The slowest rank defines a collective's wall time; CPU time (all threads, gloo's
+            # included) is summed over the ranks: the work done, which a loaded machine does not
+            # inflate the way it inflates waiting.
             t = torch.tensor([elapsed])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            c = torch.tensor([used])
+            dist.all_reduce(c)
             times[name].append(float(t))
+            cpu[name].append(float(c))
             mem[name] = max(mem[name], peak.extra)
         if rank == 0:
             print(f"[converge] round {rep + 1}/{args.reps} done", flush=True)
     if rank == 0:
         limit = statistics.median(times["flat_limit"])
+        limit_cpu = statistics.median(cpu["flat_limit"])
         rows = []
         for name in methods:
             med = statistics.median(times[name])
+            # Paired: each round's time over the same round's flat_limit time, then the median.
+            paired = statistics.median(a / b for a, b in zip(times[name], times["flat_limit"]))
             rows.append({
                 "method": name,
                 "median_s": med,
                 "ratio_to_limit": med / limit,
+                "paired_ratio_to_limit": paired,
+                "cpu_s": statistics.median(cpu[name]),
+                "cpu_ratio_to_limit": statistics.median(cpu[name]) / limit_cpu,
                 "speedup_vs_per_tensor": statistics.median(times["per_tensor"]) / med,
                 "peak_rss_extra_mib": mem[name] / 2**20,
                 "allocated_by_construction_mib": by_construction[name] / 2**20,
+                "times_s": times[name],
+                "cpu_times_s": cpu[name],
             })
         print(f"[converge] load average at end: {os.getloadavg()}")
-        print(f"{'method':22s} {'median s':>9s} {'x limit':>8s} {'vs per-tensor':>13s} "
-              f"{'peak RSS+ MiB':>13s} {'buffers MiB':>11s}")
+        print(f"{'method':22s} {'median s':>9s} {'x limit':>8s} {'paired x':>8s} {'CPU s':>7s} "
+              f"{'CPU x':>6s} {'vs per-tensor':>13s} {'peak RSS+ MiB':>13s} {'buffers MiB':>11s}")
         for r in rows:
             print(f"{r['method']:22s} {r['median_s']:9.3f} {r['ratio_to_limit']:8.2f} "
+                  f"{r['paired_ratio_to_limit']:8.2f} {r['cpu_s']:7.2f} {r['cpu_ratio_to_limit']:6.2f} "
                   f"{r['speedup_vs_per_tensor']:13.2f} {r['peak_rss_extra_mib']:13.1f} "
                   f"{r['allocated_by_construction_mib']:11.1f}")
         os.makedirs(args.out, exist_ok=True)

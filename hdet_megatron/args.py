@@ -13,7 +13,7 @@ Flags: ``--no-hdet``, ``--hdet-period``, ``--hdet-arms``, ``--hdet-grad-sync``,
 (shorthand for the LR axis' spread), ``--hdet-spread-kind``, ``--hdet-auto/--no-hdet-auto``,
 ``--hdet-auto-start``, ``--hdet-temperature`` (float or ``auto``), ``--hdet-meta-lr``,
 ``--hdet-momentum``, ``--hdet-scale-bounds MIN MAX``, ``--hdet-rule``, ``--hdet-seed``,
-``--hdet-bucket-mb``, ``--hdet-converge-on-save/--no-hdet-converge-on-save``,
+``--hdet-bucket-mb``, ``--no-hdet-home-main-params``, ``--hdet-converge-on-save/--no-hdet-converge-on-save``,
 ``--hdet-nonfinite``, ``--hdet-rollback``, ``--hdet-signal``.
 """
 
@@ -75,6 +75,10 @@ def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seed of the per-window permutations")
     g.add_argument("--hdet-bucket-mb", type=number(), default=_DEFAULT.bucket_mb,
                    help="converge all-reduce bucket size in MiB")
+    g.add_argument("--no-hdet-home-main-params", dest="hdet_home_main_params", action="store_false",
+                   default=_DEFAULT.home_main_params,
+                   help="copy main params in and out of the converge buckets at every converge "
+                        "instead of keeping them in the buckets (in-place converge, default)")
     g.add_argument("--hdet-converge-on-save", dest="hdet_converge_on_save", action="store_true",
                    default=_DEFAULT.converge_on_save, help="converge before saving (default)")
     g.add_argument("--no-hdet-converge-on-save", dest="hdet_converge_on_save",
@@ -161,6 +165,7 @@ def _config(args: argparse.Namespace, axes: tuple) -> HDETConfig:
         rule=args.hdet_rule,
         seed=args.hdet_seed,
         bucket_mb=args.hdet_bucket_mb,
+        home_main_params=getattr(args, "hdet_home_main_params", _DEFAULT.home_main_params),
         converge_on_save=args.hdet_converge_on_save,
         nonfinite=args.hdet_nonfinite,
         rollback=args.hdet_rollback,

@@ -58,7 +58,8 @@ def test_hdet_flags_cover_every_config_field(pg, data):
             "--hdet-axis", "lr:0.3", "--hdet-axis", "weight_decay:0.5:0:1", "--hdet-spread-kind", "log",
             "--no-hdet-auto", "--hdet-auto-start", "5", "--hdet-temperature", "auto", "--hdet-meta-lr", "0.2",
             "--hdet-momentum", "0.5", "--hdet-scale-bounds", "0.1", "10", "--hdet-rule", "paper",
-            "--hdet-seed", "3", "--hdet-bucket-mb", "8", "--no-hdet-converge-on-save",
+            "--hdet-seed", "3", "--hdet-bucket-mb", "8", "--no-hdet-home-main-params",
+            "--no-hdet-converge-on-save",
             "--hdet-nonfinite", "raise", "--hdet-rollback", "--hdet-signal", "probe"]
     _, hdet = parse(pg, argv)
     changed = {f.name for f in dataclasses.fields(HDETConfig) if getattr(hdet, f.name) != getattr(HDETConfig(), f.name)}
