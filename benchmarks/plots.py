@@ -40,7 +40,8 @@ def plot_converge(data: dict, out: str) -> str:
     names = [r["method"] for r in rows]
     ratios = [r["ratio_to_limit"] for r in rows]
     fig, ax = plt.subplots(figsize=(8, 3.8))
-    colors = ["tab:green" if n.startswith("bucketed") else "tab:gray" for n in names]
+    colors = ["tab:blue" if n.startswith("homed") else "tab:green" if n.startswith("bucketed")
+              else "tab:gray" for n in names]
     ax.barh(names, ratios, color=colors)
     ax.axvline(1.0, color="k", lw=0.8)
     ax.axvline(1.1, color="tab:red", lw=0.8, ls="--", label="target 1.10x")
