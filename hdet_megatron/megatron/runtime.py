@@ -129,9 +129,10 @@ def _grad_buffer_bytes(chunks) -> Optional[int]:
     its data-parallel gradient sync reduces per step. None without such buffers."""
     total, found = 0, False
     for chunk in chunks:
-        for buf in list(getattr(chunk, "buffers", None) or []) + list(
-            getattr(chunk, "expert_parallel_buffers", None) or []
-        ):
+        # Megatron DDP's attributes are lists; on any other nn.Module ``buffers`` is the method.
+        bufs = [b for name in ("buffers", "expert_parallel_buffers")
+                if isinstance(getattr(chunk, name, None), (list, tuple)) for b in getattr(chunk, name)]
+        for buf in bufs:
             grad = getattr(buf, "grad_data", None)
             if isinstance(grad, torch.Tensor):
                 total += grad.numel() * grad.element_size()
