@@ -61,7 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None,
                    help="default: nccl with CUDA, else gloo")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="collective timeout (process group)")
+    g.add_argument("--node-timeout", type=float, default=60.0,
+                   help="multi-node: seconds without an answer from another node before every node "
+                        "stops, naming the lost one (a dead node's gone processes are seen within "
+                        "2 pings, timeout/10 s apart); 0 = off (hdet_megatron/liveness.py)")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=4)
@@ -218,6 +223,8 @@ def validate_args(args, argv: list[str], world_size: int):
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.eval_iters < 0:
         raise UsageError("--eval-iters must be >= 0")
+    if args.node_timeout < 0:
+        raise UsageError(f"--node-timeout must be >= 0 (0 = off), got {args.node_timeout}")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp):
         raise UsageError(

@@ -9,10 +9,12 @@ from gpt_log import RunLog
 from gpt_trainer import Trainer
 
 
-def train(args, hdet_config) -> int:
+def train(args, hdet_config, liveness=None) -> int:
     from hdet_megatron.metrics import MetricsWriter
 
     tr = Trainer(args, hdet_config)
+    if liveness is not None:  # hdet_megatron.liveness: its line says where training was
+        liveness.status = lambda: f"at iteration {tr.iteration}"
     writer = None
     if tr.rank == 0:
         writer = MetricsWriter(args.run_dir, False if args.no_tensorboard else args.tensorboard_dir)
@@ -71,5 +73,7 @@ def train(args, hdet_config) -> int:
         tr.hdet.close()
     if writer:
         writer.close()
+    if liveness is not None:  # past the last collective: peers may exit from here on
+        liveness.stop()
     tr.ps.destroy_model_parallel()
     return 0

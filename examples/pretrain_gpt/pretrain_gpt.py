@@ -92,11 +92,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     from hdet_megatron.megatron.checkpointing import HDETCheckpointError
     from hdet_megatron.megatron.data import DataError
     from hdet_megatron.megatron.layout import HDETSetupError
+    from hdet_megatron.liveness import EXIT_NODE_LOST, start_liveness
 
+    liveness = start_liveness(args.node_timeout, prog=PROG)
     try:
-        return train(args, hdet_config)
+        return train(args, hdet_config, liveness)
     except (DataError, HDETSetupError, HDETConfigError, HDETCheckpointError, UsageError) as exc:
         return fail(str(exc))
+    except Exception as exc:
+        # A collective failed: when another node is gone, say so in one line and stop this rank
+        # now (tearing down a broken process group can hang).
+        if liveness is not None and liveness.diagnose(exc):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_NODE_LOST)
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
