@@ -29,6 +29,7 @@ re-exports the rest (this is the import path to use). The rooms behind it, one j
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -135,6 +136,7 @@ def save_checkpoint(
     _save_warnings(hdet)
     ckpt_dir = checkpoint_dir(root, iteration)
     if dist.get_rank() == 0:
+        _remove_untracked(root, iteration, ckpt_dir)
         os.makedirs(ckpt_dir, exist_ok=True)
     dist.barrier()
     common = {
@@ -151,10 +153,37 @@ def save_checkpoint(
         _save_legacy(ckpt_dir, model, optimizer, common, rng)
     dist.barrier()
     if dist.get_rank() == 0:
-        with open(os.path.join(root, TRACKER_FILE), "w") as f:
-            f.write(str(int(iteration)))
+        write_tracker(root, iteration)
     dist.barrier()
     return metrics
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    """Point the tracker at ``iteration``, atomically (a temporary file renamed over it), after
+    every rank wrote its part: a run that dies at any moment leaves the tracker naming the last
+    complete checkpoint, which is what ``--load`` resumes from."""
+    path = os.path.join(root, TRACKER_FILE)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(int(iteration)))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _remove_untracked(root: str, iteration: int, ckpt_dir: str) -> None:
+    """An ``iter_XXXXXXX`` directory the tracker does not name is what a run that died while
+    saving left behind (or an abandoned later run): remove it, so that no stale file of it
+    mixes into the new save."""
+    if not os.path.isdir(ckpt_dir):
+        return
+    try:
+        with open(os.path.join(root, TRACKER_FILE)) as f:
+            tracked = int(f.read().strip())
+    except (OSError, ValueError):
+        tracked = None
+    if tracked != int(iteration):
+        shutil.rmtree(ckpt_dir)
 
 
 def _check_common(common: Any, ckpt_dir: str) -> dict:
