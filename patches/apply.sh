@@ -6,7 +6,8 @@
 #   patches/apply.sh                 apply (idempotent: "already applied" is success)
 #   patches/apply.sh --dry-run       only check that the action would succeed; change nothing
 #   patches/apply.sh --reverse       undo (idempotent: "not applied" is success)
-#   patches/apply.sh --status        print applied / not applied (exit 0 / 1)
+#   patches/apply.sh --status        print applied / not applied (exit 0 / 1), for the
+#                                    megatron.training that the interpreter imports
 #   patches/apply.sh --target DIR    patch DIR/megatron/training instead of the installed one
 #                                    (e.g. a copy); the version is still the installed wheel's
 #   patches/apply.sh --python PY     the interpreter whose megatron-core to patch
@@ -103,6 +104,8 @@ fi
 
 if [[ -n "$target" ]]; then
     root="$(cd "$target" && pwd)"
+elif [[ "$action" == status && -n "$import_loc" ]]; then
+    root="${import_loc%/megatron/training}"  # --status: the megatron.training that $python imports
 else
     root="$dist_root"
     if [[ -n "$import_loc" && "$import_loc" != "$root/megatron/training" ]]; then

@@ -8,7 +8,8 @@
 # Environment (defaults in brackets): GPUS_PER_NODE [all visible], NNODES [1], NODE_RANK [0],
 # MASTER_ADDR [localhost], MASTER_PORT [29500], TP [1], PP [1], DATA_PATH [unset: --mock-data],
 # VOCAB_FILE/MERGE_FILE (GPT2BPETokenizer, with DATA_PATH), CKPT_DIR [/workspace/checkpoints],
-# TRAIN_ITERS [10000], GLOBAL_BATCH [256], MICRO_BATCH [4], PYTHON [python]. Extra arguments are
+# TRAIN_ITERS [10000], GLOBAL_BATCH [256], MICRO_BATCH [4], PYTHON [python], MAX_RESTARTS [0],
+# RDZV_ID [hdet-gpt], LOCAL_ADDR (see run_multinode.sh). Extra arguments are
 # passed on to pretrain_gpt_hdet.py and replace the default of the same flag (e.g. --hdet-period
 # 500, --hdet-axis lr:0.2, --no-hdet); all are checked for the world before torchrun starts (one
 # error line, exit code 2; CHECK_ONLY=1: check and stop). Exit code 3: megatron.training unpatched.
@@ -77,6 +78,16 @@ mapfile -d '' -t ARGS < "$ARGS_FILE"
 rm -f "$ARGS_FILE"
 [[ "${CHECK_ONLY:-0}" != 1 ]] || { echo "pretrain_gpt_hdet.sh: flags OK for world $(( NNODES * GPUS_PER_NODE ))"; exit 0; }
 
-exec $PYTHON -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
-    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+# c10d rendezvous hosted by node 0; MAX_RESTARTS > 0: torchrun restarts the workers after a
+# failure and Megatron resumes from the latest checkpoint in $CKPT_DIR (--load). LOCAL_ADDR: this
+# node's address for the workers' store (default: its hostname).
+export NODE_RANK
+# Workers get a fresh store per rendezvous round (hosted by rank 0): the store torchrun shares by
+# default keeps the previous round's keys, and a restarted group can read them (wrong addresses;
+# pytorch/pytorch#135712).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+exec $PYTHON -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
+    --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-hdet-gpt}" \
+    --rdzv-conf "is_host=$(( NODE_RANK == 0 ))" --max-restarts "${MAX_RESTARTS:-0}" \
+    ${LOCAL_ADDR:+--local-addr "$LOCAL_ADDR"} \
     examples/pretrain_gpt/pretrain_gpt_hdet.py "${ARGS[@]}"

@@ -11,6 +11,7 @@
 #
 # Environment (defaults in brackets):
 #   NNODES [1]  NODE_RANK [0]  GPUS_PER_NODE [8]  MASTER_ADDR [localhost]  MASTER_PORT [29500]
+#   MAX_RESTARTS [0] (torchrun restarts, resuming from $LOAD)  RDZV_ID [hdet-gpt]  LOCAL_ADDR
 #   TP [2]  PP [2]  ARMS [DP]  HDET_PERIOD [1000]  HDET_SPREAD [0.1111]
 #   DATA_PATH (required; or MOCK=1)  SPLIT [969,30,1]  SAVE [checkpoints/gpt-hdet]  LOAD [$SAVE]
 #   MODEL: NUM_LAYERS [24] HIDDEN [1024] HEADS [16] SEQ [2048]
@@ -89,8 +90,15 @@ mapfile -d '' -t ARGS < "$ARGS_FILE"
 rm -f "$ARGS_FILE"
 [[ "${CHECK_ONLY:-0}" != 1 ]] || { echo "run_multinode.sh: flags OK for world $WORLD"; exit 0; }
 
+export NODE_RANK  # the workers name nodes by it (a lost node's line)
+# c10d rendezvous at MASTER_ADDR:MASTER_PORT, hosted by node 0 (torchrun numbers the nodes in
+# rendezvous order). MAX_RESTARTS > 0: after a failure torchrun restarts every node's workers,
+# which resume from the latest checkpoint in $LOAD. LOCAL_ADDR: this node's address for the
+# workers' store (default: its hostname).
 echo "run_multinode.sh: node $NODE_RANK/$NNODES, world $WORLD = TP$TP x PP$PP x DP$DP, $ARMS HDET arms, master $MASTER_ADDR:$MASTER_PORT"
 exec $PYTHON -m torch.distributed.run \
-    --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
-    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+    --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
+    --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-hdet-gpt}" \
+    --rdzv-conf "is_host=$(( NODE_RANK == 0 ))" --max-restarts "${MAX_RESTARTS:-0}" \
+    ${LOCAL_ADDR:+--local-addr "$LOCAL_ADDR"} \
     examples/pretrain_gpt/pretrain_gpt.py "${ARGS[@]}"
