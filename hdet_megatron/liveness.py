@@ -189,9 +189,12 @@ class Liveness:
             parts.append(f"node {p.name} (host {p.host}, ranks {_ranks(ranks)}): {why}")
         status = self.status()
         me = self.me
+        left = (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+                - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+        then = ("torchrun restarts the workers, which resume from the last checkpoint" if left > 0
+                else "Relaunch every node to resume from the last checkpoint")
         return (f"{self.prog}: error: lost {'; '.join(parts)}{' ' + status if status else ''}; "
-                f"node {me.name if me else '?'} stops ({how}). Relaunch every node to resume from "
-                "the last checkpoint")
+                f"node {me.name if me else '?'} stops ({how}). {then}")
 
     def _lost(self, lost: list[tuple[Peer, str]], how: str) -> None:
         with self._lock:

@@ -89,8 +89,9 @@ def test_frozen_node_is_reported_after_the_timeout(peer, capfd):
     live.stop()
 
 
-def test_gone_node_is_reported_within_two_pings_and_diagnosed(peer, capfd):
+def test_gone_node_is_reported_within_two_pings_and_diagnosed(peer, capfd, monkeypatch):
     mod = _load()
+    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
     proc, port = peer
     live, peers, exits, done = _watcher(mod, port, timeout=30, interval=0.3)
     # diagnose(): nothing is lost while the peer answers (the error is someone else's)
@@ -114,6 +115,11 @@ def test_gone_node_is_reported_within_two_pings_and_diagnosed(peer, capfd):
     assert done2.wait(10)
     assert exits2[0][0] - start < 3.0
     assert "its processes are gone (connection refused)" in capfd.readouterr().err
+    # under torchrun with restarts left, the line says what happens next
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert live.line([(peers[2], "x")], "y").endswith(
+        "node 0 stops (y). torchrun restarts the workers, which resume from the last checkpoint")
     live.stop()
     live2.stop()
 

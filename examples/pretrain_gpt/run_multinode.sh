@@ -91,6 +91,10 @@ rm -f "$ARGS_FILE"
 [[ "${CHECK_ONLY:-0}" != 1 ]] || { echo "run_multinode.sh: flags OK for world $WORLD"; exit 0; }
 
 export NODE_RANK  # the workers name nodes by it (a lost node's line)
+# Workers get a fresh store per rendezvous round (hosted by rank 0): the store torchrun shares by
+# default keeps the previous round's keys, and a restarted group can read them (wrong addresses;
+# pytorch/pytorch#135712).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 # c10d rendezvous at MASTER_ADDR:MASTER_PORT, hosted by node 0 (torchrun numbers the nodes in
 # rendezvous order). MAX_RESTARTS > 0: after a failure torchrun restarts every node's workers,
 # which resume from the latest checkpoint in $LOAD. LOCAL_ADDR: this node's address for the
