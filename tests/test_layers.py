@@ -32,6 +32,7 @@ LAYERS = {
     "hdet_megatron.torch_scheduler": RUNTIME,
     "hdet_megatron.megatron": RUNTIME,
     "hdet_megatron.megatron.": RUNTIME,
+    "hdet_megatron.liveness": RUNTIME,
     # entry points: the package's face, CLI and flags, the megatron.training patch hooks, tools
     "hdet_megatron": ENTRY,
     "hdet_megatron.args": ENTRY,
