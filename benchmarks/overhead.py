@@ -34,9 +34,21 @@ def main() -> None:
     p.add_argument("--block", type=int, default=5)
     p.add_argument("--converges", type=int, default=7)
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: model and batches on GPU LOCAL_RANK %% device_count (several ranks "
+                        "may share one GPU over gloo; NCCL needs one GPU per rank)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument("--bf16", action="store_true", help="bf16 params, fp32 main params")
+    p.add_argument("--dist-opt", action="store_true",
+                   help="distributed optimizer (one instance per arm: arms = DP)")
+    p.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local")
     args = p.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group(args.backend)
     from hdet_megatron.config import HDETConfig
     from hdet_megatron.megatron import toy
     from hdet_megatron.megatron.runtime import HDET
@@ -47,9 +59,13 @@ def main() -> None:
     setup = toy.ToyGPTSetup(
         tp=args.tp, num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
         vocab_size=512, seq_length=args.seq, micro_batch_size=4, num_microbatches=2,
+        cuda=cuda, bf16=args.bf16, use_distributed_optimizer=args.dist_opt,
+        num_distributed_optimizer_instances=(dist.get_world_size() // args.tp) if args.dist_opt else 1,
+        transformer_impl=args.transformer_impl,
     )
     total = args.blocks * args.block * 2 + args.converges + 10
     toy.init_parallel(setup)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     runs = {}
     for name in ("plain", "hdet"):
         model = toy.build_model(setup)
@@ -74,8 +90,10 @@ def main() -> None:
         if hdet is not None:
             t0 = time.perf_counter()
             hdet.step(losses)
-            hdet_calls.append(time.perf_counter() - t0)
-        elapsed = torch.tensor([time.perf_counter() - start])
+            hdet_calls.append(time.perf_counter() - t0)  # host time of the call (launches)
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = torch.tensor([time.perf_counter() - start], device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return float(elapsed)
 
@@ -95,7 +113,9 @@ def main() -> None:
         dist.barrier()
         start = time.perf_counter()
         hdet.converge()
-        t = torch.tensor([time.perf_counter() - start])
+        if cuda:
+            torch.cuda.synchronize()
+        t = torch.tensor([time.perf_counter() - start], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         converge_s.append(float(t))
     if dist.get_rank() == 0:
@@ -104,6 +124,9 @@ def main() -> None:
         result = {
             "setup": f"TP{args.tp} x DP{dist.get_world_size() // args.tp}, {args.layers} layers, "
                      f"hidden {args.hidden}, seq {args.seq}, mbs 4 x 2 microbatches",
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "backend": args.backend, "bf16": args.bf16, "dist_opt": args.dist_opt,
+            "transformer_impl": args.transformer_impl,
             "steps_per_arm": len(times["plain"]),
             "median_step_plain_s": plain,
             "median_step_hdet_s": with_hdet,

@@ -285,3 +285,55 @@ def test_hdet_bf16_distributed_optimizer_on_cuda(tmp_path, impl):
     if impl == "transformer_engine":
         assert "TEDotProductAttention.softmax_scale" in targets
     assert all(x == x and x < 20 for r in results for x in r["losses"])  # finite
+
+
+# -- the example's device flags (checked before any process group) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def pretrain_gpt():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "pretrain_gpt_device_flags", os.path.join(ROOT, "examples", "pretrain_gpt", "pretrain_gpt.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _usage_error(pg, argv) -> str:
+    with pytest.raises(pg.UsageError) as info:
+        pg.parse_args(["--mock-data", *argv], world_size=2)
+    return str(info.value)
+
+
+@pytest.mark.skipif(CUDA, reason="checks the CPU-only answers")
+def test_example_device_flags_on_a_cpu_machine(pretrain_gpt):
+    pg = pretrain_gpt
+    assert "no CUDA device" in _usage_error(pg, ["--device", "cuda"])
+    assert "nccl needs CUDA" in _usage_error(pg, ["--distributed-backend", "nccl"])
+    msg = _usage_error(pg, ["--transformer-impl", "transformer_engine"])
+    if _te_available():
+        assert "runs on CUDA only" in msg and "--transformer-impl local" in msg
+    else:
+        assert "needs NVIDIA Transformer Engine" in msg and "--transformer-impl local" in msg
+    args, _ = pg.parse_args(["--mock-data", "--bf16", "--use-distributed-optimizer"], world_size=2)
+    assert pg.resolve_device(args) == "cpu"
+
+
+@pytest.mark.gpu
+def test_example_device_flags_on_a_gpu_machine(pretrain_gpt):
+    pg = pretrain_gpt
+    args, _ = pg.parse_args(["--mock-data"], world_size=2)
+    assert pg.resolve_device(args) == "cuda"
+    args, _ = pg.parse_args(["--mock-data", "--distributed-backend", "gloo"], world_size=2)
+    assert pg.resolve_device(args) == "cpu"  # as before --device existed
+    args, _ = pg.parse_args(["--mock-data", "--distributed-backend", "gloo", "--device", "cuda"], world_size=2)
+    assert pg.resolve_device(args) == "cuda"
+    assert "nccl needs CUDA" in _usage_error(pg, ["--device", "cpu", "--distributed-backend", "nccl"])
+    if _te_available():
+        args, _ = pg.parse_args(["--mock-data", "--transformer-impl", "transformer_engine", "--bf16",
+                                 "--use-distributed-optimizer"], world_size=1)
+        assert args.transformer_impl == "transformer_engine"
+        assert "runs on CUDA only" in _usage_error(pg, ["--transformer-impl", "transformer_engine",
+                                                        "--device", "cpu"])

@@ -60,7 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO-1 distributed optimizer (with HDET: one instance per arm)")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None,
-                   help="default: nccl with CUDA, else gloo")
+                   help="default: nccl on CUDA, gloo on CPU")
+    g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto: cuda when available (cpu with --distributed-backend gloo). "
+                        "cuda with gloo runs several ranks on one GPU (NCCL refuses that); each "
+                        "rank uses GPU LOCAL_RANK %% device count")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10,
                    help="collective timeout (process group)")
     g.add_argument("--node-timeout", type=float, default=60.0,
@@ -182,6 +186,8 @@ def parse_args(argv: Optional[list[str]] = None, world_size: Optional[int] = Non
 
 def validate_args(args, argv: list[str], world_size: int):
     """Every check that needs no process group; fills derived values into ``args``."""
+    check_device(args)
+
     # Conflicting flags.
     if not args.hdet:
         explicit = _explicit_hdet_flags(argv)
@@ -353,6 +359,40 @@ def _check_files(args) -> None:
                 preflight.check_run_dir(path, args, flag)
     except preflight.InputError as exc:
         raise UsageError(str(exc)) from None
+
+
+def resolve_device(args) -> str:
+    """``cuda`` or ``cpu`` from ``--device`` / ``--distributed-backend`` and what is there."""
+    import torch
+
+    if args.device != "auto":
+        return args.device
+    return "cuda" if torch.cuda.is_available() and args.distributed_backend != "gloo" else "cpu"
+
+
+def check_device(args) -> None:
+    """Device, backend and layer-spec flags that cannot work on this machine."""
+    import importlib.util
+
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available here (torch.cuda.is_available() "
+                         "is False); use --device cpu (gloo)")
+    device = resolve_device(args)
+    if device == "cpu" and args.distributed_backend == "nccl":
+        raise UsageError("--distributed-backend nccl needs CUDA tensors: use gloo on CPU, or --device cuda")
+    if args.transformer_impl == "transformer_engine":
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise UsageError(
+                "--transformer-impl transformer_engine needs NVIDIA Transformer Engine, which is not "
+                "installed in this Python: use an NGC PyTorch image (docker/) or install "
+                "transformer-engine[pytorch], or train with --transformer-impl local")
+        if device != "cuda":
+            raise UsageError(
+                "--transformer-impl transformer_engine runs on CUDA only; this run would use the CPU "
+                f"({'no CUDA device here' if not torch.cuda.is_available() else '--device cpu / gloo'}): "
+                "use --transformer-impl local on CPU")
 
 
 def _checkpoint_iteration(load_dir: str, ckpt_step: Optional[int] = None) -> Optional[int]:

@@ -12,7 +12,7 @@ from typing import Optional
 #: Wall clock of the launch (``pretrain_gpt.py`` imports this module first).
 PROCESS_START = time.time()
 
-from gpt_args import _checkpoint_iteration  # noqa: E402
+from gpt_args import _checkpoint_iteration, resolve_device  # noqa: E402
 from gpt_data import TrainerData  # noqa: E402
 
 
@@ -46,7 +46,7 @@ class Trainer(TrainerData):
         self.args, self.hdet_config = args, hdet_config
         self.torch, self.dist, self.ps = torch, dist, ps
         self.rank = dist.get_rank()
-        self.cuda = torch.cuda.is_available() and args.distributed_backend != "gloo"
+        self.cuda = resolve_device(args) == "cuda"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.t0 = time.perf_counter() - (time.time() - PROCESS_START)  # wall clock from launch
 

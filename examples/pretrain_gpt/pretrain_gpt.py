@@ -45,6 +45,7 @@ from gpt_args import (  # noqa: E402,F401  (re-exported for scripts and tests)
     UsageError,
     build_parser,
     parse_args,
+    resolve_device,
     validate_args,
 )
 from gpt_loop import train  # noqa: E402
@@ -64,11 +65,16 @@ def _init_distributed(args) -> None:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    args.distributed_backend = backend
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    elif os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]) == os.environ["WORLD_SIZE"]:
+    device = resolve_device(args)
+    backend = args.distributed_backend or ("nccl" if device == "cuda" else "gloo")
+    args.device, args.distributed_backend = device, backend
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    elif torch.cuda.is_available():  # CPU training on a CUDA machine: megatron needs the CPU shims
+        from hdet_megatron.megatron.cpu import apply_cpu_shims
+
+        apply_cpu_shims(force=True)
+    if backend == "gloo" and os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]) == os.environ["WORLD_SIZE"]:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # single node: loopback is enough
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
 
