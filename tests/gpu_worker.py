@@ -11,6 +11,7 @@ Each rank writes ``OUT_DIR/rank<r>.json``; the test reads and checks them. Scena
 
 * ``averager``: :class:`~hdet_megatron.averaging.BucketedAverager` on CUDA fp32 + bf16 tensors
   (plain and weighted average) against the mean computed on the host.
+* ``torch_scheduler``: ``HDETOneCycleLR`` on a plain torch model on CUDA.
 * ``hdet``: Megatron GPT (local or, with ``--te``, Transformer Engine layer spec) on CUDA in bf16
   with the distributed optimizer (one instance per arm), 2 arms, HDET with lr, dropout and
   attention-temperature axes; after every converge the fp32 main params agree bit for bit
@@ -34,12 +35,21 @@ def _digest(tensors) -> str:
     return h.hexdigest()[:16]
 
 
+def _device():
+    """The GPU (``HDET_WORKER_DEVICE=cpu``: the CPU, only to smoke-test this file without one)."""
+    import torch
+
+    if os.environ.get("HDET_WORKER_DEVICE") == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def averager(rank: int, world: int) -> dict:
     import torch
 
     from hdet_megatron.averaging import BucketedAverager
 
-    dev = torch.device("cuda", torch.cuda.current_device())
+    dev = _device()
     shapes = [(1000, 37), (5,), (256, 256), (3, 7, 11)]
     gen = torch.Generator().manual_seed(0)
     base = [torch.randn(s, generator=gen) for s in shapes]  # the same on every rank
@@ -48,7 +58,7 @@ def averager(rank: int, world: int) -> dict:
     bf16 = [(b * (rank + 1)).to(dev, torch.bfloat16) for b in base]
     tensors = fp32 + bf16
     avg = BucketedAverager(tensors, bucket_mb=0.1)  # several buckets
-    assert avg.device.type == "cuda", avg.device
+    assert avg.device == dev, avg.device
     avg.average()
     mean_factor = sum(r + 1 for r in range(world)) / world
     err_fp32 = max(float((t.cpu() - b * mean_factor).abs().max()) for t, b in zip(fp32, base))
@@ -76,11 +86,11 @@ def hdet(rank: int, world: int, te: bool) -> dict:
     from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
     from hdet_megatron.megatron.sync_counter import HostSyncCounter
 
-    assert not cpu.shims_applied(), "CPU shims must stay off on a CUDA machine"
+    assert cpu.shims_applied() == (_device().type == "cpu"), "CPU shims must stay off on CUDA"
     setup = toy.ToyGPTSetup(
         num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=32,
         bf16=True, use_distributed_optimizer=True, num_distributed_optimizer_instances=world,
-        hidden_dropout=0.1, attention_dropout=0.1, cuda=True,
+        hidden_dropout=0.1, attention_dropout=0.1, cuda=_device().type == "cuda",
         transformer_impl="transformer_engine" if te else "local",
     )
     steps, period = 8, 3
@@ -117,12 +127,55 @@ def hdet(rank: int, world: int, te: bool) -> dict:
                 out["syncs_non_converge"] = dict(counter.counts)
             out["losses"].append(float(torch.stack([o["lm loss"] for o in losses]).mean()))
             if metrics is not None:
-                torch.cuda.synchronize()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
                 out["window_main_digests"].append(_digest(main_params(optimizer)))
         runtime.close()
     digests = [None] * world
     dist.all_gather_object(digests, out["window_main_digests"])
     out["all_window_main_digests"] = digests
+    return out
+
+
+def torch_scheduler(rank: int, world: int) -> dict:
+    """``HDETOneCycleLR`` on a plain torch model on CUDA: the loss accumulator and the window's
+    loss table live on the device, converge averages CUDA params."""
+    import torch
+    import torch.nn as nn
+
+    from hdet_megatron.config import Axis, HDETConfig
+    from hdet_megatron.megatron.sync_counter import HostSyncCounter
+    from hdet_megatron.torch_scheduler import HDETOneCycleLR
+
+    dev = _device()
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(dev)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    steps, period = 7, 3
+    sched = HDETOneCycleLR(optimizer, max_lr=0.05, total_steps=steps + 2, model=model,
+                           hdet=HDETConfig(period=period, axes=(Axis("lr", 0.3),)))
+    gen = torch.Generator().manual_seed(100 + rank)
+    out: dict = {"digests": [], "lrs": [], "syncs_non_converge": None, "converges": []}
+    for step in range(1, steps + 1):
+        x = torch.randn(8, 16, generator=gen).to(dev)
+        y = torch.tanh(x[:, :4])
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        out["lrs"].append(optimizer.param_groups[0]["lr"])
+        before = sched._hdet.num_converges
+        if step == 2:  # a non-converge step
+            with HostSyncCounter() as counter:
+                sched.step(loss.detach())
+            out["syncs_non_converge"] = dict(counter.counts)
+        else:
+            sched.step(loss.detach())
+        if sched._hdet.num_converges != before:
+            out["converges"].append(step)
+        out["digests"].append(_digest(list(model.parameters())))
+    out["param_devices"] = sorted({str(p.device) for p in model.parameters()})
+    sched.close()
     return out
 
 
@@ -134,12 +187,15 @@ def main() -> int:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local % torch.cuda.device_count())
+    if os.environ.get("HDET_WORKER_DEVICE") != "cpu":
+        torch.cuda.set_device(local % torch.cuda.device_count())
     dist.init_process_group(os.environ.get("HDET_GPU_BACKEND", "gloo"))
     if scenario == "averager":
         result = averager(rank, world)
     elif scenario == "hdet":
         result = hdet(rank, world, te)
+    elif scenario == "torch_scheduler":
+        result = torch_scheduler(rank, world)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     os.makedirs(out_dir, exist_ok=True)

@@ -265,6 +265,20 @@ def test_bucketed_averager_on_cuda_tensors(tmp_path):
 
 
 @pytest.mark.gpu
+def test_hdet_one_cycle_lr_on_cuda(tmp_path):
+    """The torch-native scheduler on CUDA params: arms diverge inside a window, agree bit for bit
+    after each converge, and a non-converge step makes no host sync from hdet_megatron."""
+    r0, r1 = _torchrun(tmp_path, "torch_scheduler")
+    assert r0["param_devices"] == r1["param_devices"] and r0["param_devices"][0].startswith("cuda")
+    assert r0["converges"] == r1["converges"] == [3, 6]
+    for step in (3, 6):
+        assert r0["digests"][step - 1] == r1["digests"][step - 1]
+    assert r0["digests"][1] != r1["digests"][1]  # inside the first window the arms differ
+    assert r0["lrs"][0] != r1["lrs"][0]  # different LRs per arm
+    assert r0["syncs_non_converge"] == {} and r1["syncs_non_converge"] == {}
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["local", "transformer_engine"])
 def test_hdet_bf16_distributed_optimizer_on_cuda(tmp_path, impl):
     """Megatron GPT on CUDA, bf16, distributed optimizer (one instance per arm), 2 arms with lr,
