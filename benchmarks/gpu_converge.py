@@ -210,7 +210,7 @@ def main() -> None:
         with open(os.path.join(args.out, "gpu_converge.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(device) if cuda else "cpu",
                        "torch": torch.__version__, "cuda": torch.version.cuda,
-                       "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+                       "nccl": str(torch.cuda.nccl.version()) if cuda else None,
                        "ranks": n, "reps": args.reps, "sizes": sizes}, f, indent=2)
     dist.destroy_process_group()
 

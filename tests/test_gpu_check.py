@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
-STAGES = ("gpu_tests", "example_1rank", "example_hdet", "example_plain", "converge", "overhead")
+STAGES = ("converge", "example_1rank", "example_hdet", "example_plain", "overhead", "gpu_tests")
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +111,30 @@ def test_the_example_parser_accepts_the_dry_run_flags(dry_run):
 def test_unknown_argument_is_refused():
     proc = subprocess.run(["bash", str(SCRIPT), "--bogus"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "unknown argument '--bogus'" in proc.stderr
+
+
+def test_stage_records_status_exit_code_and_log(tmp_path):
+    """The stage runner (sourced, with a real python for the JSON line): ok, failed, timeout,
+    and a stage skipped once the budget is spent."""
+    import json
+    import sys
+
+    out = tmp_path / "out"
+    script = f"""
+        GPU_CHECK_SOURCE_ONLY=1 OUT={shlex.quote(str(out))} PYTHON={shlex.quote(sys.executable)} \\
+            source {shlex.quote(str(SCRIPT))}
+        mkdir_out; : > "$OUT_DIR/stages.jsonl"
+        stage good 10 bash -c 'echo hello; echo "$GLOO_SOCKET_IFNAME"'
+        stage bad 10 bash -c 'exit 3'
+        stage slow 1 sleep 20
+        BUDGET=0
+        stage late 10 true
+    """
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["stage"]: r for r in map(json.loads, (out / "stages.jsonl").read_text().splitlines())}
+    assert rows["good"]["status"] == "ok" and rows["good"]["rc"] == 0
+    assert (out / "logs" / "good.log").read_text() == "hello\nlo\n"  # the stage environment
+    assert rows["bad"]["status"] == "failed" and rows["bad"]["rc"] == 3
+    assert rows["slow"]["status"] == "timeout" and rows["slow"]["seconds"] < 15
+    assert rows["late"] == {"stage": "late", "status": "skipped", "reason": "budget"}
