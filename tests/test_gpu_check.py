@@ -68,8 +68,9 @@ def test_dry_run_commands_match_the_scripts_they_call(dry_run):
         assert cmds[name][:4] == [py, "-m", "torch.distributed.run", "--standalone"], name
     # The example: TE layer spec, bf16, distributed optimizer; the 2-rank runs share the GPU
     # over gloo with CUDA tensors; 1 rank over NCCL.
-    example_flags = _script_flags(REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py") | {
-        "--no-hdet", "--hdet-period"}
+    example_flags = {"--no-hdet", "--hdet-period"}  # hdet_megatron/args.py
+    for path in (REPO / "examples" / "pretrain_gpt").glob("*.py"):  # the entry and its modules
+        example_flags |= _script_flags(path)
     for name in ("example_1rank", "example_hdet", "example_plain"):
         argv = cmds[name]
         script = argv.index("examples/pretrain_gpt/pretrain_gpt.py")
