@@ -137,6 +137,7 @@ def test_rollback_store_round_trips_device_tensors(device):
     saved = [t.clone() for t in tensors]
     store = RollbackStore(tensors, directory=None)
     assert all(h.device.type == "cpu" for h in store._host)
+    assert all(h.is_pinned() == (device.type == "cuda") for h in store._host)  # pinned on GPU
     for t in tensors:
         t.add_(1.0)
     store.restore()

@@ -192,7 +192,8 @@ class RollbackStore:
     def save(self) -> None:
         if self.directory is None:
             if self._host is None:
-                self._host = [torch.empty_like(t, device="cpu") for t in self.tensors]
+                # Pinned when the params are on a GPU: faster device-to-host copies.
+                self._host = [torch.empty_like(t, device="cpu", pin_memory=t.is_cuda) for t in self.tensors]
             for dst, src in zip(self._host, self.tensors):
                 dst.copy_(src)
         else:
