@@ -49,6 +49,10 @@ def main() -> None:
     else:
         torch.set_num_threads(1)
     dist.init_process_group(args.backend)
+    if cuda and args.backend == "gloo":  # several ranks on one GPU
+        from hdet_megatron.megatron.gloo_cuda import apply_gloo_cuda_adapter
+
+        apply_gloo_cuda_adapter()
     from hdet_megatron.config import HDETConfig
     from hdet_megatron.megatron import toy
     from hdet_megatron.megatron.runtime import HDET

@@ -189,7 +189,12 @@ def main() -> int:
     local = int(os.environ.get("LOCAL_RANK", rank))
     if os.environ.get("HDET_WORKER_DEVICE") != "cpu":
         torch.cuda.set_device(local % torch.cuda.device_count())
-    dist.init_process_group(os.environ.get("HDET_GPU_BACKEND", "gloo"))
+    backend = os.environ.get("HDET_GPU_BACKEND", "gloo")
+    dist.init_process_group(backend)
+    if backend == "gloo" and os.environ.get("HDET_WORKER_DEVICE") != "cpu":
+        from hdet_megatron.megatron.gloo_cuda import apply_gloo_cuda_adapter
+
+        apply_gloo_cuda_adapter()  # Megatron DDP's coalesced collectives on CUDA tensors
     if scenario == "averager":
         result = averager(rank, world)
     elif scenario == "hdet":
@@ -208,3 +213,56 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def gloo_adapter_equivalence(rank: int, world: int) -> dict:
+    """CPU (gloo) check of :mod:`hdet_megatron.megatron.gloo_cuda`: the adapter's collectives
+    give torch's results, and Megatron DDP + DistOpt trains to the same bits with it."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import _coalescing_manager
+
+    from hdet_megatron.megatron import gloo_cuda, toy
+    from hdet_megatron.megatron.runtime import main_params
+
+    manager = gloo_cuda.make_coalescing_manager(_coalescing_manager)
+    out: dict = {}
+    for async_ops in (False, True):
+        a, b = torch.full((4,), float(rank + 1)), torch.full((3,), 10.0 * (rank + 1))
+        with manager(async_ops=async_ops) as cm:
+            dist.all_reduce(a, async_op=async_ops)
+            dist.all_reduce(b, async_op=async_ops)
+        if async_ops:
+            cm.wait()
+        gathered = torch.empty(2 * world)
+        shards = torch.arange(2 * world, dtype=torch.float32) * (rank + 1)
+        scattered = torch.empty(2)
+        with manager(async_ops=async_ops) as cm:
+            dist.all_gather_into_tensor(gathered, torch.full((2,), float(rank)), async_op=async_ops)
+        if async_ops:
+            cm.wait()
+        with manager(async_ops=async_ops) as cm:
+            dist.reduce_scatter_tensor(scattered, shards, async_op=async_ops)
+        if async_ops:
+            cm.wait()
+        out[f"async={async_ops}"] = (a.tolist(), b.tolist(), gathered.tolist(), scattered.tolist())
+
+    def train(adapter: bool) -> str:
+        setup = toy.ToyGPTSetup(use_distributed_optimizer=True, num_distributed_optimizer_instances=1,
+                                overlap_grad_reduce=True)
+        with toy.parallel(setup):
+            model = toy.build_model(setup)
+            optimizer = toy.build_optimizer(setup, model)
+            data = toy.data_iterator_for_rank(setup)
+            for _ in range(3):
+                toy.train_step(setup, model, optimizer, data)
+            return _digest(main_params(optimizer)) + _digest([p for c in model for p in c.parameters()])
+
+    out["plain"] = train(False)
+    out["installed"] = gloo_cuda.apply_gloo_cuda_adapter()
+    out["installed_again"] = gloo_cuda.apply_gloo_cuda_adapter()
+    out["adapter"] = train(True)
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    out["issued"] = pgb._coalescing_manager.issued
+    return out

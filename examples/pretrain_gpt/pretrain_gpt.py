@@ -77,6 +77,10 @@ def _init_distributed(args) -> None:
     if backend == "gloo" and os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]) == os.environ["WORLD_SIZE"]:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # single node: loopback is enough
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    if device == "cuda" and backend == "gloo":  # several ranks on one GPU: see gloo_cuda.py
+        from hdet_megatron.megatron.gloo_cuda import apply_gloo_cuda_adapter
+
+        apply_gloo_cuda_adapter()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
