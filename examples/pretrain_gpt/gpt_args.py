@@ -371,9 +371,13 @@ def resolve_device(args) -> str:
 
 
 def check_device(args) -> None:
-    """Device, backend and layer-spec flags that cannot work on this machine."""
+    """Device, backend and layer-spec flags that cannot work on this machine. Imports torch only
+    for the flags that need it (the launchers' pre-torchrun check stays fast in the default case)."""
     import importlib.util
 
+    if not (args.device == "cuda" or args.distributed_backend == "nccl"
+            or args.transformer_impl == "transformer_engine"):
+        return
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
