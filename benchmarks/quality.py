@@ -16,7 +16,9 @@ the LR and the HDET flags differ. Runs:
 - ``paper-low`` / ``paper-high``: the same with the paper's absolute update rule;
 - ``arm-low``: ``--hdet-grad-sync arm`` from 4x too low (next to ``auto-low``, global sync);
 - ``probe-best`` / ``probe-low`` / ``probe-high``: the auto runs with ``--hdet-signal probe``
-  (arms compared on one shared unseen batch at each window's end instead of their own data).
+  (arms compared on one shared unseen batch at each window's end instead of their own data);
+- ``line-best`` / ``line-low`` / ``line-high``: ``--hdet-signal line --hdet-rule newton`` (the
+  update line evaluated by every replica on its own unseen batch, horizon-corrected).
 
 The HDET phase takes the best LR from the finished sweep of the same seed (or ``--best-lr``).
 A finished run (its ``final`` record present) is not run again, so an interrupted benchmark
@@ -64,12 +66,13 @@ def model_args(args: argparse.Namespace, data_prefix: str, seed: int) -> list[st
 
 def hdet_args(args: argparse.Namespace, auto: bool, rule: str = "relative",
               grad_sync: str = "global", spread: float | None = None,
-              signal: str = "train") -> list[str]:
+              signal: str = "train", meta_lr: float | None = None) -> list[str]:
     """HDET flags of the benchmark (one setting for every HDET run, see BENCHMARKS.md)."""
     flags = [
         "--hdet-period", str(args.period),
         "--hdet-spread", f"{args.spread if spread is None else spread:.6g}",
-        "--hdet-temperature", args.temperature, "--hdet-meta-lr", str(args.meta_lr),
+        "--hdet-temperature", args.temperature,
+        "--hdet-meta-lr", str(args.meta_lr if meta_lr is None else meta_lr),
         "--hdet-momentum", str(args.momentum), "--hdet-rule", rule, "--hdet-grad-sync", grad_sync,
         "--hdet-signal", signal,
     ]
@@ -244,6 +247,11 @@ def main() -> None:
             ("probe-best", best, hdet_args(args, auto=True, signal="probe")),
             ("probe-low", best / 4, hdet_args(args, auto=True, signal="probe")),
             ("probe-high", best * 4, hdet_args(args, auto=True, signal="probe")),
+            # The horizon-corrected line signal with the newton rule (meta LR 1: the step
+            # follows the fitted curve, see docs and hdet_megatron/line_signal.py).
+            ("line-best", best, hdet_args(args, auto=True, signal="line", rule="newton", meta_lr=1.0)),
+            ("line-low", best / 4, hdet_args(args, auto=True, signal="line", rule="newton", meta_lr=1.0)),
+            ("line-high", best * 4, hdet_args(args, auto=True, signal="line", rule="newton", meta_lr=1.0)),
         ]
         for name, lr, flags in plan:
             if args.only and name not in args.only:
@@ -314,8 +322,9 @@ def markdown_table(rows: list[dict]) -> str:
     lines = ["| run | seeds | start LR / best | final LR / best | valid loss (mean, min..max) "
              "| vs best sweep point (mean, min..max) | rank-s per run |",
              "|---|---:|---:|---:|---:|---:|---:|"]
-    order = ["spread", "spread-small", "auto-best", "probe-best", "auto-low", "probe-low",
-             "paper-low", "arm-low", "auto-high", "probe-high", "paper-high"]
+    order = ["spread", "spread-small", "auto-best", "probe-best", "line-best", "auto-low",
+             "probe-low", "line-low", "paper-low", "arm-low", "auto-high", "probe-high",
+             "line-high", "paper-high"]
     keys = sorted((k for k in groups if k.startswith("sweep")), key=lambda k: float(k[7:]))
     keys += [k for k in order if k in groups]
     for key in keys:

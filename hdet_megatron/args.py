@@ -70,7 +70,10 @@ def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--hdet-momentum", type=number(), default=_DEFAULT.momentum, help="beta")
     g.add_argument("--hdet-scale-bounds", type=number(), nargs=2, default=list(_DEFAULT.scale_bounds),
                    metavar=("MIN", "MAX"), help="clamp of the learned scale")
-    g.add_argument("--hdet-rule", choices=("relative", "paper"), default=_DEFAULT.rule)
+    g.add_argument("--hdet-rule", choices=("relative", "paper", "newton"), default=_DEFAULT.rule,
+                   help="controller update: 'relative' (softmax, default), 'paper' (the paper's "
+                        "absolute rule) or 'newton' (step to the minimum of a quadratic fitted "
+                        "over the arms; >= 3 arms; use with --hdet-signal line)")
     g.add_argument("--hdet-seed", type=integer(), default=_DEFAULT.seed,
                    help="seed of the per-window permutations")
     g.add_argument("--hdet-bucket-mb", type=number(), default=_DEFAULT.bucket_mb,
@@ -86,10 +89,13 @@ def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--hdet-nonfinite", choices=("exclude", "raise"), default=_DEFAULT.nonfinite)
     g.add_argument("--hdet-rollback", action="store_true", default=_DEFAULT.rollback,
                    help="when every arm is non-finite, restore the last converged state")
-    g.add_argument("--hdet-signal", choices=("train", "probe"), default=_DEFAULT.signal,
+    g.add_argument("--hdet-signal", choices=("train", "probe", "line"), default=_DEFAULT.signal,
                    help="what the controller compares: 'train' (window training loss per arm, "
-                        "paper) or 'probe' (each arm's loss on one shared unseen batch at the "
-                        "window's end: removes the arms' data noise; one forward per window)")
+                        "paper), 'probe' (each arm's loss on one shared unseen batch at the "
+                        "window's end: removes the arms' data noise; one forward per window) or "
+                        "'line' (every replica evaluates the window's update line at each arm's "
+                        "multiplier on its own unseen batch, slope corrected for the short-horizon "
+                        "bias; one forward per arm per window; >= 3 arms, one lr axis)")
     return parser
 
 

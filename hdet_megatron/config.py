@@ -134,8 +134,11 @@ class HDETConfig:
     scale_bounds: tuple[float, float] = (0.01, 100.0)
     """Clamp ``[c_min, c_max]`` of every multiplicative axis' learned scale."""
     rule: str = "relative"
-    """``relative`` (our dimensionless update ``c <- c (1 + lambda v)``) or ``paper`` (the
-    paper's absolute update, with the decay taken from the base schedule)."""
+    """``relative`` (our dimensionless update ``c <- c (1 + lambda v)``), ``paper`` (the
+    paper's absolute update, with the decay taken from the base schedule) or ``newton`` (fit a
+    quadratic to the arms' losses over their values and step towards its minimum:
+    ``v <- beta v + (1-beta) log(rho*/rho_mean)``, ``c <- c exp(lambda v)``, with ``rho*`` at most
+    a factor 2 from the arms' centre per window; needs >= 3 arms)."""
     seed: int = 0
     """Seed of the counter-based generator of per-window permutations (global RNGs untouched)."""
     bucket_mb: float = 40.0
@@ -160,7 +163,11 @@ class HDETConfig:
     the window, as in the paper) or ``probe`` (each arm's loss on one batch that is the same for
     every arm and that no arm has trained on, measured at the window's end before averaging; it
     removes the arms' different data from the comparison, at one forward pass per window; the
-    training loop supplies the batch, see ``HDET(probe_fn=...)``)."""
+    training loop supplies the batch, see ``HDET(probe_fn=...)``) or ``line`` (every replica
+    evaluates the window's update line at every arm's multiplier on its own unseen batch, and
+    the fitted line's slope is corrected for the short-horizon bias, see
+    :mod:`hdet_megatron.line_signal`; one forward pass per arm per window; needs
+    ``grad_sync="global"``, one ``lr`` axis with a spread > 0 and >= 3 arms)."""
 
     def __post_init__(self) -> None:
         # Accept lists for axes/scale_bounds (from argparse or JSON) but store tuples.
@@ -226,8 +233,8 @@ class HDETConfig:
                 lo_hi,
                 "need 0 < c_min <= 1 <= c_max (the scale starts at 1); bounds inverted?",
             )
-        if self.rule not in ("relative", "paper"):
-            raise bad("rule", self.rule, "must be 'relative' or 'paper'")
+        if self.rule not in ("relative", "paper", "newton"):
+            raise bad("rule", self.rule, "must be 'relative', 'paper' or 'newton'")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise bad("seed", self.seed, "must be an integer >= 0")
         if not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
@@ -240,8 +247,19 @@ class HDETConfig:
             raise bad("nonfinite", self.nonfinite, "must be 'exclude' or 'raise'")
         if not isinstance(self.rollback, bool):
             raise bad("rollback", self.rollback, "must be True or False")
-        if self.signal not in ("train", "probe"):
-            raise bad("signal", self.signal, "must be 'train' or 'probe'")
+        if self.signal not in ("train", "probe", "line"):
+            raise bad("signal", self.signal, "must be 'train', 'probe' or 'line'")
+        if self.signal == "line":
+            # The arms lie on one line only when they share gradients and differ by step size.
+            if self.grad_sync != "global":
+                raise bad("signal", self.signal, "needs grad_sync='global' (arms on one update line)")
+            if [a.name for a in self.axes] != ["lr"] or not self.axes[0].spread > 0:
+                raise bad(
+                    "signal",
+                    self.signal,
+                    "needs exactly one axis, 'lr', with a spread > 0 (other axes move the arms "
+                    f"off the update line); axes are {[(a.name, a.spread) for a in self.axes]}",
+                )
 
     def axis(self, name: str) -> Optional[Axis]:
         """The axis called ``name``, or None."""

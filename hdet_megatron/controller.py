@@ -20,6 +20,15 @@ independent, each with its own velocity and scale),
   reference code's ``gamma = log(div/final_div)``-style constant had the wrong sign and grew
   the LR ~400x over a run: paper-code defect 3).
 
+* ``rule="newton"``: fit ``L(x) ~ a + g x + q x^2 / 2`` to the finite arms' losses over their
+  values ``x_r``, take its minimiser ``x*`` (the descent end of the arms' range when ``q <= 0``),
+  bounded per window to a factor :data:`NEWTON_MAX_STEP` of the arms' centre ``x_bar`` (an
+  offset of one arm range for additive axes); ``Delta = log(x* / x_bar)`` (additive:
+  ``x* - x_bar``), ``v <- beta v + (1-beta) Delta``, ``c <- clamp(c exp(lambda v))`` (additive:
+  ``shift <- shift + lambda v``). Softmax weights are still reported but not used: the step
+  follows the fitted curve, so a low-noise signal (``signal="line"``) moves the scale as far as
+  the evidence says in one window instead of at most ``lambda * spread``.
+
 A neutral controller (all arm losses equal, or all weights equal) yields ``Delta == 0``
 exactly, so the scale never drifts on its own (regression for defect 3).
 """
@@ -32,6 +41,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 from hdet_megatron.config import HDETConfig
+from hdet_megatron.line_signal import fit_quadratic
 
 __all__ = [
     "AllArmsNonFinite",
@@ -42,6 +52,11 @@ __all__ = [
 ]
 
 STATE_VERSION = 1
+
+#: ``rule="newton"``: the most a multiplicative axis' target may differ from the arms' centre in
+#: one window (a factor; 2 = one octave), since a quadratic fitted on the arms' range says little
+#: about values far outside it.
+NEWTON_MAX_STEP = 2.0
 
 
 class AllArmsNonFinite(RuntimeError):
@@ -123,6 +138,28 @@ def softmax_weights(
     return weights, excluded, sigma
 
 
+def _newton_delta(values: Sequence[float], losses: Sequence[float], additive: bool) -> float:
+    """``rule="newton"``'s Delta from the finite arms' ``(value, loss)`` pairs (0 with fewer
+    than 3 distinct values: a quadratic is not determined)."""
+    if len(set(values)) < 3:
+        return 0.0
+    center = math.fsum(values) / len(values)
+    lo, hi = min(values), max(values)
+    _, g, q = fit_quadratic([x - center for x in values], losses)
+    if q > 0:
+        target = center - g / q
+    else:  # no minimum inside: go to the descent end of the arms' range
+        target = hi if g < 0 else lo if g > 0 else center
+    if additive:
+        span = hi - lo
+        return min(max(target - center, -span), span)
+    if center <= 0:
+        return 0.0
+    factor = target / center if target > 0 else 0.0
+    factor = min(max(factor, 1.0 / NEWTON_MAX_STEP), NEWTON_MAX_STEP)
+    return math.log(factor)
+
+
 def _pstdev(values: Sequence[float]) -> float:
     """Population std of finite values, robust to huge values (rescales on overflow and
     saturates at the largest float instead of returning inf)."""
@@ -149,6 +186,16 @@ class AutoController:
     def __init__(self, config: HDETConfig, num_arms: int) -> None:
         if isinstance(num_arms, bool) or not isinstance(num_arms, int) or num_arms < 1:
             raise ValueError(f"num_arms={num_arms!r} must be an integer >= 1")
+        if config.rule == "newton" and num_arms < 3 and (config.auto or config.signal == "line"):
+            raise ValueError(
+                f"HDETConfig.rule='newton' fits a quadratic over the arms and needs >= 3 arms, "
+                f"this run has {num_arms}; use rule='relative' or more data-parallel replicas"
+            )
+        if config.signal == "line" and num_arms < 3:
+            raise ValueError(
+                f"HDETConfig.signal='line' fits the update line at the arms' multipliers and needs "
+                f">= 3 arms, this run has {num_arms}; use signal='probe' or 'train'"
+            )
         self.config = config
         self.num_arms = num_arms
         self._axes = {axis.name: axis for axis in config.axes}
@@ -244,6 +291,12 @@ class AutoController:
             if uniform:
                 # Equal weights carry no information: exactly 0 (no drift from rounding).
                 delta = 0.0
+            elif cfg.rule == "newton":
+                delta = _newton_delta(
+                    [values[r] for r in range(len(values)) if math.isfinite(losses[r])],
+                    [losses[r] for r in range(len(values)) if math.isfinite(losses[r])],
+                    additive=axis.additive,
+                )
             else:
                 center = math.fsum(values) / len(values)
                 # sum_r w_r (x_r - mean): for the linear spread x_r - 1 is exact, so a neutral
@@ -256,6 +309,8 @@ class AutoController:
             new_velocity[name] = v
             if axis.additive:
                 new_scale[name] = self._bound_shift(axis, c + cfg.meta_lr * v, base)
+            elif cfg.rule == "newton":
+                new_scale[name] = self._clamp(c * math.exp(cfg.meta_lr * v))
             elif cfg.rule == "paper":
                 if base is None or base == 0.0:
                     # No base value to convert back (e.g. an LR of exactly 0): keep c.

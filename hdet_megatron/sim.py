@@ -43,6 +43,7 @@ Randomness: one local ``numpy.random.Generator`` per run, seeded from ``seed``; 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -53,7 +54,10 @@ from hdet_megatron.config import HDETConfig
 from hdet_megatron.controller import AllArmsNonFinite, AutoController, ControllerUpdate
 from hdet_megatron.spread import arm_spread
 
-__all__ = ["NQMProblem", "SimResult", "simulate", "steady_state_loss", "best_lr", "sweep_lr"]
+__all__ = [
+    "NQMProblem", "SimResult", "simulate", "steady_state_loss", "best_lr", "sweep_lr",
+    "BudgetNQM", "BudgetResult", "simulate_budget", "budget_expected_loss", "budget_best_peak_lr",
+]
 
 
 @dataclass(frozen=True)
@@ -297,3 +301,215 @@ def sweep_lr(
                 total += 0.5 * ((error * error) @ h)
             error = error - lr * (h * error + noise[t]) + drift[t]
     return (total / (steps - burn_in)).tolist()
+
+
+# --- the budget NQM: a fixed training budget under a decaying LR schedule ---------------------
+#
+# The tracking NQM above has a time-invariant optimum LR, so a window-local comparison is
+# unbiased there. Real pretraining is a fixed budget under a decaying schedule, where the best
+# *peak* LR is set by what survives to the end of the run: progress in slow (low-curvature)
+# directions persists, while the noise floor of fast directions is forgotten once the LR decays.
+# A window-local comparison sees the noise floor and prefers small steps: the short-horizon bias
+# (Wu, Ren, Liao and Grosse, ICLR 2018). This model reproduces it.
+
+
+@dataclass(frozen=True)
+class BudgetNQM:
+    """A noisy quadratic trained from a fixed start for a fixed number of steps under a
+    warm-up + cosine schedule (the shape of ``examples/pretrain_gpt``'s benchmark runs).
+
+    Loss ``0.5 * sum_i h_i e_i^2``; gradient ``h * e + xi`` with ``xi_i ~ N(0, noise * h_i)`` per
+    replica; curvatures log-spaced in ``[h_min, h_max]``; initial error ``N(0, init_scale^2)``
+    per coordinate. The defaults put the best peak LR of 8 replicas near 0.25 (stable up to 2).
+    """
+
+    dim: int = 32
+    h_min: float = 1e-3
+    h_max: float = 1.0
+    noise: float = 1.0
+    """Per-replica gradient-noise variance per unit curvature."""
+    init_scale: float = 1.0
+    """Std of the initial error of every coordinate (identical for all replicas)."""
+    warmup_fraction: float = 0.03
+    """Linear warm-up from 0 over this fraction of the steps."""
+    final_fraction: float = 0.1
+    """The cosine decays to this fraction of the peak LR at the last step."""
+    loss_noise: float = 0.5
+    """Std of one replica's measured training loss at one step around its expected loss (which
+    batch it saw): the data noise of ``signal="train"``. ``probe`` and ``line`` evaluate on data
+    common to all arms and see none of it."""
+
+    def __post_init__(self) -> None:
+        NQMProblem(dim=self.dim, h_min=self.h_min, h_max=self.h_max, noise=self.noise,
+                   drift=0.0, init_scale=self.init_scale)  # same checks as the tracking model
+        if not 0 <= self.warmup_fraction < 1 or not 0 <= self.final_fraction <= 1:
+            raise ValueError(
+                f"BudgetNQM needs 0 <= warmup_fraction < 1 and 0 <= final_fraction <= 1, got "
+                f"{self.warmup_fraction}, {self.final_fraction}"
+            )
+        if not math.isfinite(self.loss_noise) or self.loss_noise < 0:
+            raise ValueError(f"BudgetNQM.loss_noise={self.loss_noise!r} must be >= 0")
+
+    def curvatures(self) -> np.ndarray:
+        return np.exp(np.linspace(math.log(self.h_min), math.log(self.h_max), self.dim))
+
+    def schedule(self, steps: int, peak_lr: float) -> np.ndarray:
+        """The base LR at every step: linear warm-up, then cosine to ``final_fraction * peak``."""
+        t = np.arange(steps, dtype=float)
+        warm = max(1, int(round(self.warmup_fraction * steps)))
+        progress = np.clip((t - warm) / max(1, steps - warm), 0.0, 1.0)
+        f = self.final_fraction
+        lr = peak_lr * (f + (1 - f) * 0.5 * (1 + np.cos(math.pi * progress)))
+        return np.where(t < warm, peak_lr * (t + 1) / warm, lr)
+
+
+def budget_expected_loss(problem: BudgetNQM, lrs: Sequence[float], replicas: int) -> float:
+    """Exact expected final loss of plain data-parallel SGD (``replicas`` replicas) run with the
+    per-step LRs ``lrs`` (the second moment of each coordinate obeys a scalar linear recursion;
+    ``inf`` if it blows up)."""
+    h = problem.curvatures()
+    m = np.full(problem.dim, problem.init_scale ** 2)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for lr in lrs:
+            m = (1.0 - lr * h) ** 2 * m + lr * lr * problem.noise * h / replicas
+    loss = float(0.5 * (h * m).sum())
+    return loss if math.isfinite(loss) else math.inf
+
+
+@functools.lru_cache(maxsize=64)
+def budget_best_peak_lr(problem: BudgetNQM, steps: int, replicas: int) -> tuple[float, float]:
+    """``(peak LR, expected final loss)`` of the best plain run on this schedule shape: what a
+    perfect LR sweep finds (golden-section search on log peak LR; unimodal in the stable range)."""
+    def f(x: float) -> float:
+        return budget_expected_loss(problem, problem.schedule(steps, math.exp(x)), replicas)
+
+    inv_phi = (math.sqrt(5.0) - 1.0) / 2.0
+    a, b = math.log(1e-4), math.log(2.0 / problem.h_max)
+    x1, x2 = b - inv_phi * (b - a), a + inv_phi * (b - a)
+    f1, f2 = f(x1), f(x2)
+    for _ in range(80):
+        if f1 <= f2:
+            b, x2, f2 = x2, x1, f1
+            x1 = b - inv_phi * (b - a)
+            f1 = f(x1)
+        else:
+            a, x1, f1 = x1, x2, f2
+            x2 = a + inv_phi * (b - a)
+            f2 = f(x2)
+    x = (a + b) / 2.0
+    return math.exp(x), f(x)
+
+
+@dataclass
+class BudgetResult:
+    """One :func:`simulate_budget` run."""
+
+    start_scale: float
+    """Peak LR of the run's base schedule / the best peak LR."""
+    scales: list[float]
+    """The controller's scale c after each window."""
+    lrs: list[float]
+    """The LR of the averaged model (base schedule x c) at every step."""
+    expected_loss: float
+    """Exact expected final loss of plain training with ``lrs`` (what the averaged model
+    follows in ``grad_sync="global"``): the figure of merit, free of the run's own noise."""
+    best_loss: float
+    """Expected final loss at the best peak LR (a perfect sweep of the same schedule shape)."""
+    final_loss: float
+    """This run's realised final loss of the averaged model."""
+
+    @property
+    def gap(self) -> float:
+        """``expected_loss / best_loss - 1``: how far from a perfect sweep (negative = better)."""
+        return self.expected_loss / self.best_loss - 1.0
+
+    @property
+    def effective_scales(self) -> list[float]:
+        """Per window: ``start_scale * c``, the base LR relative to the best peak LR."""
+        return [self.start_scale * c for c in self.scales]
+
+
+def simulate_budget(
+    config: HDETConfig,
+    arms: int,
+    start_scale: float,
+    steps: int,
+    replicas_per_arm: int = 1,
+    seed: int = 0,
+    problem: Optional[BudgetNQM] = None,
+) -> BudgetResult:
+    """HDET on :class:`BudgetNQM` from a peak LR ``start_scale`` times the best one.
+
+    ``grad_sync="global"`` only (the arms share the all-replica gradient, so they lie on one
+    update line per window). The controller's signal is ``config.signal``:
+
+    * ``train``: each arm's mean measured training loss over the window (its iterates'
+      expected loss plus the data noise ``problem.loss_noise / sqrt(steps * replicas_per_arm)``);
+    * ``probe``: each arm's exact loss at the window's end (common data, no data noise);
+    * ``line``: the exact losses along the update line at the arms' multipliers, horizon-
+      corrected by :func:`hdet_megatron.line_signal.fit_line` with
+      ``kappa = base(end) / base(now)``.
+    """
+    from hdet_megatron.line_signal import fit_line, line_points, persistence
+
+    problem = problem or BudgetNQM()
+    if config.grad_sync != "global":
+        raise ValueError("simulate_budget models grad_sync='global' only")
+    if [a.name for a in config.axes] != ["lr"]:
+        raise ValueError(f"the simulator models exactly one axis, 'lr'; config has {[a.name for a in config.axes]}")
+    for name, value in (("arms", arms), ("replicas_per_arm", replicas_per_arm), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    if not math.isfinite(start_scale) or start_scale <= 0:
+        raise ValueError(f"start_scale={start_scale!r} must be a finite number > 0")
+    period = config.period
+    if steps < period:
+        raise ValueError(f"steps={steps} is shorter than one window (period={period})")
+    replicas = arms * replicas_per_arm
+    best_peak, best_loss = budget_best_peak_lr(problem, steps, replicas)
+    base = problem.schedule(steps, best_peak * start_scale)
+    h = problem.curvatures()
+    rng = np.random.default_rng(seed)
+    controller = AutoController(config, arms)
+    noise_std = np.sqrt(problem.noise * h / replicas)
+    error = rng.normal(0.0, problem.init_scale, size=problem.dim)  # the averaged model
+    lrs: list[float] = []
+    scales: list[float] = []
+    t = 0
+    while t < steps:
+        length = min(period, steps - t)
+        rho = np.asarray(arm_spread(config, arms, controller.window)["lr"])
+        c = controller.scale("lr")
+        start = error.copy()
+        update = np.zeros(problem.dim)  # D: the window's update at multiplier 1
+        train = np.zeros(arms)
+        with np.errstate(over="ignore", invalid="ignore"):
+            for _ in range(length):
+                arm_err = start[None, :] - rho[:, None] * update[None, :]
+                train += 0.5 * (arm_err * arm_err) @ h
+                lr = base[t] * c
+                # Every arm applies the all-replica gradient (evaluated at the arms' mean, which is
+                # exact for a quadratic) with its own multiplier: the arms stay on one line.
+                update += lr * (h * (start - update) + noise_std * rng.standard_normal(problem.dim))
+                lrs.append(lr)
+                t += 1
+        error = start - update
+        end = start[None, :] - rho[:, None] * update[None, :]
+        end_losses = 0.5 * (end * end) @ h
+        if config.signal == "train":
+            data = problem.loss_noise / math.sqrt(length * replicas_per_arm)
+            losses = train / length + data * rng.standard_normal(arms)
+        elif config.signal == "probe":
+            losses = end_losses
+        else:
+            points = line_points(rho.tolist())
+            at = {p: float(v) for p, v in zip(rho.tolist(), end_losses)}
+            kappa = persistence(base[t - 1], base[-1])
+            losses = np.asarray(fit_line(points, [at[p] for p in points], rho.tolist(), kappa).pseudo_losses)
+        controller.update(losses.tolist(), {"lr": rho.tolist()}, t, base_values={"lr": float(base[t - 1])})
+        scales.append(controller.scale("lr"))
+        if not np.all(np.isfinite(error)):
+            break
+    final = float(0.5 * (h * error * error).sum())
+    return BudgetResult(start_scale, scales, lrs, budget_expected_loss(problem, lrs, replicas),
+                        best_loss, final if math.isfinite(final) else math.inf)

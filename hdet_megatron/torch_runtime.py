@@ -35,6 +35,14 @@ class _Runtime:
     except for the plain-data parts written under ``"hdet"``)."""
 
     def __init__(self, config: HDETConfig, optimizer, model, process_group) -> None:
+        if config.signal != "train":
+            # Only the Megatron runtime runs probe passes (HDET(probe_fn=...)); here the
+            # training loss is all there is, so say so instead of silently using it.
+            raise ValueError(
+                f"HDETConfig.signal={config.signal!r} needs a probe forward pass, which only the "
+                "Megatron runtime (hdet_megatron.megatron.HDET with probe_fn) runs; use "
+                "signal='train' here"
+            )
         self.config = config
         self._init_topology(process_group)
 

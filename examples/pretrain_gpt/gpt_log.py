@@ -24,7 +24,8 @@ class RunLog:
         self.write = writer.write if writer else (lambda record: None)
         self.say = tr.log
         self.tokens_per_iter = args.global_batch_size * args.seq_length
-        self.signal_name = "probe" if hdet_config is not None and hdet_config.signal == "probe" else "loss"
+        self.signal_name = {"probe": "probe", "line": "line", "average": "avg-line"}.get(
+            getattr(hdet_config, "signal", None), "loss")
         self.pending: list[tuple[int, Any, dict]] = []  # (iteration, loss tensor, lr view)
         self.last_loss = float("nan")
         self.paused = 0.0  # seconds spent in evaluation and checkpointing (not in tokens/s and ETA)
@@ -116,6 +117,8 @@ class RunLog:
                   "converge_bytes_per_step": m.converge_bytes_per_step,
                   "grad_bytes_per_step": m.grad_bytes_per_step,
                   "forced": m.forced}
+        if m.line is not None:
+            record["line"] = m.line
         self.write(record)
         if not self.args.quiet:
             arms = " | ".join(

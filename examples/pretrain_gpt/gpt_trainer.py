@@ -208,7 +208,7 @@ class Trainer(TrainerData):
         from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
 
         self.scheduler = HDETOptimizerParamScheduler(self.optimizer, hdet=self.hdet_config, **kwargs)
-        probe = self.probe_losses if self.hdet_config.signal == "probe" else None
+        probe = self.probe_losses if self.hdet_config.signal in ("probe", "line", "average") else None
         self.hdet = HDET(self.hdet_config, self.model, self.optimizer, self.scheduler, probe_fn=probe)
 
     # -- one iteration ---------------------------------------------------------------------------
@@ -261,17 +261,20 @@ class Trainer(TrainerData):
         return self._mean_loss(losses), window
 
     def probe_losses(self) -> list:
-        """HDET's probe (``--hdet-signal probe``), called by ``HDET`` at every converge: a
-        forward-only pass of this arm's model on the next global batch's first data-parallel
-        shard. It is the same batch on every rank (sampler with DP rank 0 of ``self.dp``), and
-        no arm has trained on it yet, so arms differ only by what their hyperparameters did
-        in the window. Collective (a pipeline forward); dropout off, as in evaluation."""
+        """HDET's probe (``--hdet-signal probe``, ``line`` or ``average``), called by ``HDET`` at
+        every converge: a forward-only pass of this rank's model on the next global batch, which
+        no arm has trained on yet. ``probe``: its first data-parallel shard, the same batch on
+        every rank (sampler with DP rank 0), so arms differ only by what their hyperparameters
+        did in the window. ``line``/``average``: this replica's own shard (HDET calls it once
+        per point of the update line and averages over all replicas). Collective (a pipeline
+        forward); dropout off, as in evaluation."""
         start = self.consumed_train_samples
         if start + self.args.global_batch_size > len(self.train_ds):
-            start = 0  # the run's last window: every sample has been seen, any shared batch will do
-        shared = self._iterator(self.train_ds, start, dp_rank=0)  # the same batch on every rank
+            start = 0  # the run's last window: every sample has been seen, any batch will do
+        dp_rank = 0 if self.hdet_config.signal == "probe" else None
+        batch = self._iterator(self.train_ds, start, dp_rank=dp_rank)
         with self._evaluating():
-            return self._forward_backward(shared, forward_only=True)
+            return self._forward_backward(batch, forward_only=True)
 
     # -- learning rates for the logs ---------------------------------------------------------------
     def lr_view(self) -> dict:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from hdet_megatron.averaging import BucketedAverager, Homer, own_storage, protect_module_state_dicts
 from hdet_megatron.config import HDETConfig
 from hdet_megatron.controller import AllArmsNonFinite, ControllerUpdate
+from hdet_megatron.line_signal import LineFit, fit_line, line_points, persistence
 from hdet_megatron.megatron import cpu as _cpu  # noqa: F401
 from hdet_megatron.megatron.ckpt import state as ckpt_state
 from hdet_megatron.megatron.grad_sync import ArmGradSync
@@ -81,6 +82,10 @@ class WindowMetrics:
     """Bytes of gradients this rank reduces per step in Megatron DDP's data-parallel gradient
     sync (its grad buffers: all-reduce, or reduce-scatter with DistOpt), for comparison with
     ``converge_bytes / steps``; None when the chunks have no Megatron grad buffers (FSDP2)."""
+    line: Optional[dict] = None
+    """With ``signal="line"``: the window's line search (``LineFit.to_dict()``): the points, the
+    mean loss at each, the fitted slope and curvature, the persistence and the pseudo-losses
+    (which are ``arm_losses``)."""
 
     @property
     def converge_bytes_per_step(self) -> float:
@@ -220,11 +225,14 @@ class HDET:
         loss_keys: keys looked up in each microbatch's loss dict.
         rollback_dir: with ``config.rollback``, where the last converged main params are kept:
             None = host memory, else a directory (one file per rank).
-        probe_fn: required with ``config.signal == "probe"``: called on every rank at the end of
-            each window, before the average, it runs a forward-only pass of this rank's model
-            chunks on a batch that is the same on every arm and that no arm has trained on, and
-            returns what ``forward_backward_func`` returned (per-microbatch losses; empty on
-            non-last pipeline stages). Collective (it is a pipeline forward).
+        probe_fn: required with ``config.signal`` ``"probe"`` or ``"line"``: called on every rank
+            at the end of each window, before the average, it runs a forward-only pass of this
+            rank's model chunks on a batch that no arm has trained on, and returns what
+            ``forward_backward_func`` returned (per-microbatch losses; empty on non-last pipeline
+            stages). Collective (it is a pipeline forward). With ``"probe"`` the batch must be
+            the same on every arm; with ``"line"`` each data-parallel replica should use its own
+            (e.g. its shard of the next global batch): it is called once per line point with
+            the model set to that point, and must return the same batch each time.
     """
 
     def __init__(
@@ -247,10 +255,10 @@ class HDET:
             raise HDETSetupError("HDET config differs from the scheduler's hdet config; pass the same one")
         if scheduler.optimizer is not optimizer:
             raise HDETSetupError("the scheduler was built for a different optimizer")
-        if config.signal == "probe" and probe_fn is None:
+        if config.signal in ("probe", "line") and probe_fn is None:
             raise HDETSetupError(
-                "HDETConfig.signal='probe' needs probe_fn: a forward-only pass on a batch shared by "
-                "all arms (examples/pretrain_gpt provides one); use signal='train' otherwise"
+                f"HDETConfig.signal={config.signal!r} needs probe_fn: a forward-only pass on an "
+                "unseen batch (examples/pretrain_gpt provides one); use signal='train' otherwise"
             )
         self.probe_fn = probe_fn
         self.config = config
@@ -281,13 +289,24 @@ class HDET:
         device = self._main_params[0].device if self._main_params else torch.device("cpu")
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         # [controller signal per arm | reporting replicas per arm | ranks with non-finite params
-        #  per arm | with signal="probe" only: window training loss per arm (else the signal)]
-        slots = 4 if config.signal == "probe" else 3
+        #  per arm | with signal="probe" only: window training loss per arm (else the signal) |
+        #  with signal="line" only: loss sum at each line point (at most one point per arm)]
+        slots = {"train": 3, "probe": 4, "line": 4}[config.signal]
         self._loss_reduce = torch.zeros(slots * self.layout.num_arms, dtype=torch.float64, device=device)
+        # signal="line": the window's start (the last converged main params) and a scratch copy
+        # of this arm's end point, to rebuild any point of the update line (2 copies of the main
+        # params: the signal's memory cost).
+        self._line_origin: Optional[list[torch.Tensor]] = None
+        self._line_scratch: Optional[list[torch.Tensor]] = None
+        self._line_valid = False
+        self.steps_in_window = 0
+        if config.signal == "line":
+            self._line_origin = [torch.empty_like(p) for p in self._main_params]
+            self._line_scratch = [torch.empty_like(p) for p in self._main_params]
+            self.mark_window_start()
         self.rollback = RollbackStore(self._main_params, rollback_dir) if config.rollback else None
         self.rollbacks = 0
         self.iteration = 0
-        self.steps_in_window = 0
         self.history: list[WindowMetrics] = []
         self.last_update: Optional[ControllerUpdate] = None
         scheduler.hdet_runtime = self
@@ -441,27 +460,92 @@ class HDET:
                 buf[3 * a + self.layout.arm] = train
             else:
                 buf[self.layout.arm] = train
+                if self.config.signal == "line" and probe is not None:
+                    # Every replica evaluated every point: sums over all reporters.
+                    buf[3 * a : 3 * a + probe.numel()] = probe
         # Every rank checks its own (shard of the) main params; device-side, no extra sync.
         finite = torch.stack([torch.isfinite(p).all() for p in self._main_params]).all()
         buf[2 * a + self.layout.arm] = (~finite).to(buf.dtype)
         dist.all_reduce(buf, group=self.layout.loss_group)
         values = buf.tolist()
         sums, counts, bad = values[:a], values[a : 2 * a], values[2 * a : 3 * a]
-        train = values[3 * a :] or sums
+        train = values[3 * a :] if self.config.signal == "probe" else sums
 
         def per_arm(totals):
             return [s / c if c > 0 else math.nan for s, c in zip(totals, counts)]
 
+        if self.config.signal == "line":
+            # Point means over every reporting replica; returned in place of the signal.
+            reporters = math.fsum(counts)
+            points = [s / reporters if reporters > 0 else math.nan for s in values[3 * a :]]
+            return points, [b > 0 for b in bad], per_arm(train)
         return per_arm(sums), [b > 0 for b in bad], per_arm(train)
+
+    @torch.no_grad()
+    def mark_window_start(self) -> None:
+        """``signal="line"``: remember the main params as the start of the update line. Called
+        after every converge and by checkpoint loading (the loaded model is a converged one);
+        call it yourself if you change the main params between windows by other means."""
+        if self._line_origin is not None:
+            for dst, src in zip(self._line_origin, self._main_params):
+                dst.copy_(src)
+            # Mid-window (a resume without converge-on-save) the params are not the window's
+            # start: that window's line is unknown, and it must not steer the controller.
+            self._line_valid = self.steps_in_window == 0
+
+    @torch.no_grad()
+    def _line_probe(self, arm_values: dict) -> tuple[list[float], Optional[torch.Tensor]]:
+        """``signal="line"``: this rank's probe loss at every point of the window's update line.
+
+        The arm's main params are ``theta0 - rho * D``; the point of multiplier ``s`` is
+        ``theta0 + (s / rho) (theta_arm - theta0)`` (``torch.lerp``). Each point is written into
+        the main params, copied to the model params (all-gathered inside the arm with DistOpt,
+        as after a converge) and probed; then the arm's own params come back bit-exactly from
+        the scratch copy. Collective inside the arm and the pipeline; the same number of calls
+        on every rank.
+        """
+        points = line_points(arm_values["lr"])
+        rho = arm_values["lr"][self.layout.arm]
+        for dst, src in zip(self._line_scratch, self._main_params):
+            dst.copy_(src)
+        losses = []
+        try:
+            for s in points:
+                for p, p0, p_arm in zip(self._main_params, self._line_origin, self._line_scratch):
+                    torch.lerp(p0, p_arm, s / rho, out=p)
+                self._refresh_model_params()
+                loss = self._probe_loss()
+                if loss is not None:
+                    losses.append(loss)
+        finally:
+            for dst, src in zip(self._main_params, self._line_scratch):
+                dst.copy_(src)
+            self._refresh_model_params()
+        return points, (torch.stack(losses) if losses else None)
 
     def _end_window(self, forced: bool) -> WindowMetrics:
         self._check_param_groups_unchanged()
-        probe = self._probe_loss() if self.config.signal == "probe" else None
+        arm_values = self.scheduler.arm_spread_values()
+        line_pts = None
+        if self.config.signal == "probe":
+            probe = self._probe_loss()
+        elif self.config.signal == "line" and self._line_valid:
+            line_pts, probe = self._line_probe(arm_values)
+        else:
+            probe = None
         arm_losses, bad_params, train_losses = self._reduce_arm_losses(probe)  # the one host sync
+        line = None
+        if line_pts is not None:
+            base_now, base_end = self.scheduler.horizon_lrs()
+            line = fit_line(line_pts, arm_losses[: len(line_pts)], arm_values["lr"],
+                            persistence(base_now, base_end))
+            arm_losses = list(line.pseudo_losses)
+        elif self.config.signal == "line":
+            # No line this window (see mark_window_start): equal losses, so nothing moves.
+            arm_losses = [0.0 if math.isfinite(x) else x for x in train_losses]
         # An arm whose parameters blew up is as bad as an infinite loss, whatever it reported.
         arm_losses = [math.inf if bad else loss for loss, bad in zip(arm_losses, bad_params)]
         excluded = [a for a, loss in enumerate(arm_losses) if not math.isfinite(loss)]
-        arm_values = self.scheduler.arm_spread_values()
         try:
             # Raises AllArmsNonFinite / NonFiniteArm (on every rank alike) before anything
             # changes, so with nonfinite="raise" nothing diverged is ever averaged or saved.
@@ -500,11 +584,13 @@ class HDET:
             forced=forced,
             arm_train_losses=train_losses,
             grad_bytes_per_step=self.grad_bytes_per_step,
+            line=line.to_dict() if line is not None else None,
         )
         self.last_update = update
         self.history.append(metrics)
         self._loss_sum.zero_()
         self.steps_in_window = 0
+        self.mark_window_start()
         self.scheduler.set_window(self.scheduler.window + 1)
         return metrics
 
@@ -539,6 +625,7 @@ class HDET:
         self.history.append(metrics)
         self._loss_sum.zero_()
         self.steps_in_window = 0
+        self.mark_window_start()
         self.scheduler.set_window(self.scheduler.window + 1)
         return metrics
 

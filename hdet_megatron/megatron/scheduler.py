@@ -168,6 +168,20 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
         groups = self.optimizer.param_groups
         return self.get_lr(groups[0]) if groups else self.get_lr({})
 
+    def horizon_lrs(self) -> tuple[float, float]:
+        """``(base LR now, base LR at the end of the decay)`` of the first param group, from
+        Megatron's ``OptimizerParamScheduler.get_lr`` (which reads ``self.num_steps``), for the
+        ``line`` signal's persistence ``kappa``."""
+        group = self.optimizer.param_groups[0] if self.optimizer.param_groups else {}
+        now = self.get_lr(group)
+        saved = self.num_steps
+        try:
+            self.num_steps = max(self.lr_decay_steps, saved)
+            end = self.get_lr(group)
+        finally:
+            self.num_steps = saved
+        return now, end
+
     def base_values(self) -> dict[str, float]:
         """Base (un-spread, un-scaled) value of every scheduler axis now (for ``rule="paper"``)."""
         groups = self.optimizer.param_groups

@@ -100,12 +100,12 @@ def config_from_args(args) -> Optional[HDETConfig]:
     if not hasattr(args, "hdet_period"):
         return None
     config = hdet_config_from_args(args)
-    if config is not None and config.signal == "probe":
+    if config is not None and config.signal in ("probe", "line"):
         # The probe needs a forward pass on a batch shared by all arms; Megatron-LM's loop has no
         # hook for it yet, so refuse before anything is built rather than at the first converge.
         raise HDETConfigError(
-            "--hdet-signal probe is not supported through megatron.training yet (it needs a "
-            "forward pass on a batch shared by all arms): use --hdet-signal train, or "
+            f"--hdet-signal {config.signal} is not supported through megatron.training yet (it "
+            "needs probe forward passes at each window's end): use --hdet-signal train, or "
             "examples/pretrain_gpt/pretrain_gpt.py which provides the probe"
         )
     return config

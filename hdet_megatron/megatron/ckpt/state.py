@@ -106,6 +106,9 @@ def _apply_runtime(runtime, values: Mapping) -> None:
     runtime._loss_sum.fill_(local)
     # The loaded position can be saved again as is (until the next step).
     runtime._save_snapshot = (runtime.iteration, list(sums)) if sums is not None else None
+    # signal="line"/"average": the loaded params start the update line (checkpoints load the
+    # model before the scheduler state, as Megatron's load_checkpoint does).
+    runtime.mark_window_start()
 
 
 def load_runtime_state(runtime, state: Any) -> None:
