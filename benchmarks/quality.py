@@ -209,7 +209,9 @@ def main() -> None:
         # (every point a power of two of --center-lr, so runs are shared between seeds' sweeps).
         sweep: dict[int, float] = {}  # exponent k (lr = center * 2**k) -> valid loss
         wanted = set(SWEEP_EXPONENTS) if center_k is None else set(range(center_k - 2, center_k + 3))
-        while True:
+        if args.phase == "hdet" and args.best_lr is not None:
+            wanted = set()  # HDET runs only, around a given best LR: the sweep may run elsewhere
+        while wanted:
             for k in sorted(wanted - set(sweep)):
                 lr = args.center_lr * 2.0 ** k
                 name = f"sweep-x{2.0 ** k:g}-s{seed}"
@@ -224,16 +226,16 @@ def main() -> None:
                 sweep[k] = loss if math.isfinite(loss) else math.inf  # a diverged run loses
                 record(summarize(name, "sweep", lr, seed, res))
             best_k = min(sweep, key=sweep.get)
+            center_k = best_k  # the next seed starts its sweep around this seed's best
             missing = set(range(best_k - 2, best_k + 3)) - set(sweep)
             if not missing or args.best_lr is not None:
                 break
             log(f"seed {seed}: best sweep LR x{2.0 ** best_k:g} lacks neighbours "
                 f"{sorted(2.0 ** k for k in missing)}: extending the sweep")
             wanted |= missing
-        center_k = best_k  # the next seed starts its sweep around this seed's best
         if args.phase == "sweep":
             continue
-        best = args.best_lr if args.best_lr is not None else args.center_lr * 2.0 ** best_k
+        best = args.best_lr if args.best_lr is not None else args.center_lr * 2.0 ** center_k
         log(f"seed {seed}: best LR {best:g}")
         plan = [
             ("spread", best, hdet_args(args, auto=False)),
