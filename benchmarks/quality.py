@@ -254,6 +254,10 @@ def main() -> None:
             ("line-best", best, hdet_args(args, auto=True, signal="line", rule="newton", meta_lr=1.0)),
             ("line-low", best / 4, hdet_args(args, auto=True, signal="line", rule="newton", meta_lr=1.0)),
             ("line-high", best * 4, hdet_args(args, auto=True, signal="line", rule="newton", meta_lr=1.0)),
+            # Measurement only: the line signal logged at a fixed scale (controller off).
+            ("linefix-low", best / 4, hdet_args(args, auto=False, signal="line", rule="newton")),
+            ("linefix-best", best, hdet_args(args, auto=False, signal="line", rule="newton")),
+            ("linefix-high", best * 4, hdet_args(args, auto=False, signal="line", rule="newton")),
         ]
         for name, lr, flags in plan:
             if args.only and name not in args.only:

@@ -72,12 +72,25 @@ class Job:
                 axes=(Axis("lr", run.spread),), temperature=run.temperature, **run.config,
             )
             self.scheduler = HDETOptimizerParamScheduler(self.optimizer, hdet=self.config, **kwargs)
-            self.hdet = HDET(self.config, self.model, self.optimizer, self.scheduler)
+            self.probe_losses: list[float] = []
+            probe = self._probe if self.config.signal in ("probe", "line") else None
+            self.hdet = HDET(self.config, self.model, self.optimizer, self.scheduler, probe_fn=probe)
         else:
             self.scheduler = OptimizerParamScheduler(self.optimizer, **kwargs)
         self.iteration = 0
         self.losses: dict[int, float] = {}
         self.history: list = []
+
+    def _probe(self) -> list:
+        """A forward-only pass on a fixed batch: each DP replica's own (signal="line") or DP
+        rank 0's on every rank (signal="probe"); the same batch at every call."""
+        dp = 0 if self.config.signal == "probe" else ps.get_data_parallel_rank()
+        data = toy.synthetic_batches(self.setup, seed=9000 + dp)
+        with torch.no_grad():
+            losses = toy.forward_backward(self.setup, self.model, data, forward_only=True)
+        if losses:
+            self.probe_losses.append(float(torch.stack([o["lm loss"] for o in losses]).mean()))
+        return losses
 
     def seek(self, iteration: int) -> None:
         """Data position of ``iteration`` (each DP replica has its own stream)."""
