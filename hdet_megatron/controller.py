@@ -138,12 +138,13 @@ def softmax_weights(
     return weights, excluded, sigma
 
 
-def _newton_delta(values: Sequence[float], losses: Sequence[float], additive: bool) -> float:
-    """``rule="newton"``'s Delta from the finite arms' ``(value, loss)`` pairs (0 with fewer
-    than 3 distinct values: a quadratic is not determined)."""
+def _newton_delta(
+    values: Sequence[float], losses: Sequence[float], center: float, additive: bool
+) -> float:
+    """``rule="newton"``'s Delta from the finite arms' ``(value, loss)`` pairs, relative to the
+    centre of all arms' values (0 with fewer than 3 distinct values: no quadratic)."""
     if len(set(values)) < 3:
         return 0.0
-    center = math.fsum(values) / len(values)
     lo, hi = min(values), max(values)
     _, g, q = fit_quadratic([x - center for x in values], losses)
     if q > 0:
@@ -295,6 +296,7 @@ class AutoController:
                 delta = _newton_delta(
                     [values[r] for r in range(len(values)) if math.isfinite(losses[r])],
                     [losses[r] for r in range(len(values)) if math.isfinite(losses[r])],
+                    center=math.fsum(values) / len(values),
                     additive=axis.additive,
                 )
             else:

@@ -89,6 +89,8 @@ def fit_quadratic(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, floa
     Normal equations solved by Cramer's rule on x centred at its mean (well conditioned for the
     narrow ranges of arm multipliers), then shifted back to the origin of ``xs``.
     """
+    if len(set(xs)) < 3 or len(xs) != len(ys):
+        raise ValueError(f"a quadratic needs >= 3 distinct points, got {sorted(set(xs))}")
     n = len(xs)
     mean = math.fsum(xs) / n
     u = [x - mean for x in xs]

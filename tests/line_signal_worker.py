@@ -1,0 +1,62 @@
+"""Rank-side code of the ``signal="line"`` Megatron test: one 4-rank world (DP4 = 4 arms)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hdet_megatron.megatron.sync_counter import HostSyncCounter
+from tests.checkpoint_worker import Job, Run
+
+LINE = {"signal": "line", "rule": "newton", "meta_lr": 1.0, "momentum": 0.5}
+
+
+def _train(job: Job, until: int, syncs: list) -> None:
+    """``job.train_until`` one step at a time, counting host syncs in what HDET adds per step."""
+    from hdet_megatron.megatron import toy
+
+    while job.iteration < until:
+        losses, ok = toy.train_step(job.setup, job.model, job.optimizer, job.data)
+        assert ok
+        with HostSyncCounter() as counter:
+            job.scheduler.step(1)
+            metrics = job.hdet.step(losses)
+        job.iteration += 1
+        syncs.append((metrics is not None, counter.total))
+        if metrics is not None:
+            job.history.append((job.iteration, metrics.scales, metrics.arm_losses, metrics.line))
+        if losses:
+            job.losses[job.iteration] = float(torch.stack([o["lm loss"] for o in losses]).mean())
+
+
+def line_world(rank: int, world_size: int, root: str) -> dict:
+    out: dict = {}
+    run = Run(period=3, steps=9, spread=0.3, config=LINE)
+    # 1. The reference: 9 steps, a checkpoint at the window end 6.
+    job = Job(run, world_size)
+    job.seek(0)
+    syncs: list = []
+    _train(job, 6, syncs)
+    job.save(os.path.join(root, "line"), "torch")
+    _train(job, 9, syncs)
+    out["reference"] = job.result()
+    out["syncs"] = syncs
+    out["arm"] = job.hdet.layout.arm
+    out["probe_losses"] = list(job.probe_losses)
+    job.close()
+    # 2. Resume from the checkpoint in fresh objects: bit-identical from there on.
+    job = Job(run, world_size)
+    assert job.load(os.path.join(root, "line"), iteration=6) == 6
+    _train(job, 9, [])
+    out["resumed"] = job.result()
+    job.close()
+    # 3. The line's forward passes leave training untouched: with the controller off, a line
+    #    run and a train-signal run are bit-identical.
+    for name, config in (("line_off", {**LINE, "auto": False}), ("train_off", {"auto": False})):
+        job = Job(Run(period=3, steps=6, spread=0.3, config=config), world_size)
+        job.seek(0)
+        _train(job, 6, [])
+        out[name] = job.result()
+        job.close()
+    return out

@@ -1,0 +1,48 @@
+"""``signal="line"`` on a real Megatron-Core world (4 gloo ranks, DP4 = 4 arms)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.harness import run_world
+from tests.line_signal_worker import line_world
+
+pytestmark = pytest.mark.slow
+
+
+def test_line_signal_on_megatron(tmp_path):
+    results = run_world(4, line_world, str(tmp_path), timeout=400)
+    ref = results[0]["reference"]
+    windows = ref["history"]
+    assert [w[0] for w in windows] == [3, 6, 9]
+    # Identical on every rank: the controller's scales, the pseudo-losses and the line fits.
+    for r in results[1:]:
+        assert r["reference"]["history"] == windows
+        assert r["reference"]["scales"] == ref["scales"]
+    for _it, scales, pseudo, line in windows:
+        assert line is not None and len(line["points"]) == 4  # one point per arm multiplier
+        assert line["points"] == sorted(line["points"]) and pseudo == line["pseudo_losses"]
+        assert all(math.isfinite(x) for x in line["losses"])
+    assert ref["scales"]["lr"] != 1.0  # the controller moved on the line's evidence
+    # The line's point losses are the mean over all 4 replicas of what each evaluated (its own
+    # batch at each of the 4 points, in order), i.e. the same data for every point.
+    for w, (_it, _scales, _pseudo, line) in enumerate(windows):
+        for k, value in enumerate(line["losses"]):
+            local = [r["probe_losses"][4 * w + k] for r in results]
+            assert math.isclose(value, sum(local) / 4, rel_tol=1e-6)  # float32 microbatch means
+    # No host sync on non-converge steps; the converge reads its one small reduction.
+    for r in results:
+        assert [n for conv, n in r["syncs"] if not conv] == [0] * 6
+        assert all(n >= 1 for conv, n in r["syncs"] if conv)
+    # Checkpoint at iteration 6 and resume in fresh objects: bit-identical from there on.
+    for r in results:
+        got, want = r["resumed"], r["reference"]
+        assert got["losses"] == {s: v for s, v in want["losses"].items() if s > 6}
+        assert got["params"] == want["params"] and got["scales"] == want["scales"]
+        assert got["history"] == [h for h in want["history"] if h[0] > 6]
+    # Probing the line changes nothing about training (controller off in both runs).
+    for r in results:
+        assert r["line_off"]["params"] == r["train_off"]["params"]
+        assert r["line_off"]["losses"] == r["train_off"]["losses"]
