@@ -254,6 +254,9 @@ def main() -> None:
             ("line-best", best, hdet_args(args, auto=True, signal="line", rule="newton", meta_lr=1.0)),
             ("line-low", best / 4, hdet_args(args, auto=True, signal="line", rule="newton", meta_lr=1.0)),
             ("line-high", best * 4, hdet_args(args, auto=True, signal="line", rule="newton", meta_lr=1.0)),
+            ("avg-best", best, hdet_args(args, auto=True, signal="average", rule="newton", meta_lr=1.0)),
+            ("avg-low", best / 4, hdet_args(args, auto=True, signal="average", rule="newton", meta_lr=1.0)),
+            ("avg-high", best * 4, hdet_args(args, auto=True, signal="average", rule="newton", meta_lr=1.0)),
             # Measurement only: the line signal logged at a fixed scale (controller off).
             ("linefix-low", best / 4, hdet_args(args, auto=False, signal="line", rule="newton")),
             ("linefix-best", best, hdet_args(args, auto=False, signal="line", rule="newton")),
@@ -330,7 +333,7 @@ def markdown_table(rows: list[dict]) -> str:
              "|---|---:|---:|---:|---:|---:|---:|"]
     order = ["spread", "spread-small", "auto-best", "probe-best", "line-best", "auto-low",
              "probe-low", "line-low", "paper-low", "arm-low", "auto-high", "probe-high",
-             "line-high", "paper-high"]
+             "line-high", "paper-high", "avg-best", "avg-low", "avg-high"]
     keys = sorted((k for k in groups if k.startswith("sweep")), key=lambda k: float(k[7:]))
     keys += [k for k in order if k in groups]
     for key in keys:

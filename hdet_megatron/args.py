@@ -89,13 +89,14 @@ def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--hdet-nonfinite", choices=("exclude", "raise"), default=_DEFAULT.nonfinite)
     g.add_argument("--hdet-rollback", action="store_true", default=_DEFAULT.rollback,
                    help="when every arm is non-finite, restore the last converged state")
-    g.add_argument("--hdet-signal", choices=("train", "probe", "line"), default=_DEFAULT.signal,
+    g.add_argument("--hdet-signal", choices=("train", "probe", "line", "average"), default=_DEFAULT.signal,
                    help="what the controller compares: 'train' (window training loss per arm, "
                         "paper), 'probe' (each arm's loss on one shared unseen batch at the "
                         "window's end: removes the arms' data noise; one forward per window) or "
                         "'line' (every replica evaluates the window's update line at each arm's "
                         "multiplier on its own unseen batch, slope corrected for the short-horizon "
-                        "bias; one forward per arm per window; >= 3 arms, one lr axis)")
+                        "bias; one forward per arm per window; >= 3 arms, one lr axis) or "
+                        "'average' (the same through the arms' window-averaged iterates)")
     return parser
 
 

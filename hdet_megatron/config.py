@@ -10,6 +10,9 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Sequence, Union
 
+#: Signals that evaluate the window's update line (every replica, its own unseen batch).
+LINE_SIGNALS = ("line", "average")
+
 #: Axes whose spread is additive (the value can be 0); all others are multiplicative.
 ADDITIVE_AXES = frozenset({"dropout"})
 _FIXED_AXES = ("lr", "weight_decay", "dropout", "attention_temperature")
@@ -167,7 +170,11 @@ class HDETConfig:
     evaluates the window's update line at every arm's multiplier on its own unseen batch, and
     the fitted line's slope is corrected for the short-horizon bias, see
     :mod:`hdet_megatron.line_signal`; one forward pass per arm per window; needs
-    ``grad_sync="global"``, one ``lr`` axis with a spread > 0 and >= 3 arms)."""
+    ``grad_sync="global"``, one ``lr`` axis with a spread > 0 and >= 3 arms) or ``average``
+    (the same line search through the arms' *window-averaged* iterates instead of their end
+    points, uncorrected: a weight average stands in for the annealed model, so the noise floor
+    that a later LR decay removes is left out of the comparison, while lasting damage is not;
+    same requirements, plus one running sum of the main params updated every step)."""
 
     def __post_init__(self) -> None:
         # Accept lists for axes/scale_bounds (from argparse or JSON) but store tuples.
@@ -247,9 +254,9 @@ class HDETConfig:
             raise bad("nonfinite", self.nonfinite, "must be 'exclude' or 'raise'")
         if not isinstance(self.rollback, bool):
             raise bad("rollback", self.rollback, "must be True or False")
-        if self.signal not in ("train", "probe", "line"):
-            raise bad("signal", self.signal, "must be 'train', 'probe' or 'line'")
-        if self.signal == "line":
+        if self.signal not in ("train", "probe") + LINE_SIGNALS:
+            raise bad("signal", self.signal, "must be 'train', 'probe', 'line' or 'average'")
+        if self.signal in LINE_SIGNALS:
             # The arms lie on one line only when they share gradients and differ by step size.
             if self.grad_sync != "global":
                 raise bad("signal", self.signal, "needs grad_sync='global' (arms on one update line)")

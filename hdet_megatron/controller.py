@@ -40,7 +40,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional, Sequence
 
-from hdet_megatron.config import HDETConfig
+from hdet_megatron.config import LINE_SIGNALS, HDETConfig
 from hdet_megatron.line_signal import fit_quadratic
 
 __all__ = [
@@ -187,14 +187,14 @@ class AutoController:
     def __init__(self, config: HDETConfig, num_arms: int) -> None:
         if isinstance(num_arms, bool) or not isinstance(num_arms, int) or num_arms < 1:
             raise ValueError(f"num_arms={num_arms!r} must be an integer >= 1")
-        if config.rule == "newton" and num_arms < 3 and (config.auto or config.signal == "line"):
+        if config.rule == "newton" and num_arms < 3 and (config.auto or config.signal in LINE_SIGNALS):
             raise ValueError(
                 f"HDETConfig.rule='newton' fits a quadratic over the arms and needs >= 3 arms, "
                 f"this run has {num_arms}; use rule='relative' or more data-parallel replicas"
             )
-        if config.signal == "line" and num_arms < 3:
+        if config.signal in LINE_SIGNALS and num_arms < 3:
             raise ValueError(
-                f"HDETConfig.signal='line' fits the update line at the arms' multipliers and needs "
+                f"HDETConfig.signal={config.signal!r} fits the update line at the arms' multipliers and needs "
                 f">= 3 arms, this run has {num_arms}; use signal='probe' or 'train'"
             )
         self.config = config

@@ -452,7 +452,9 @@ def simulate_budget(
     * ``probe``: each arm's exact loss at the window's end (common data, no data noise);
     * ``line``: the exact losses along the update line at the arms' multipliers, horizon-
       corrected by :func:`hdet_megatron.line_signal.fit_line` with
-      ``kappa = base(end) / base(now)``.
+      ``kappa = base(end) / base(now)``;
+    * ``average``: the exact losses along the line through the arms' window-averaged iterates
+      (uncorrected).
     """
     from hdet_megatron.line_signal import fit_line, line_points, persistence
 
@@ -486,6 +488,7 @@ def simulate_budget(
         c = controller.scale("lr")
         start = error.copy()
         update = np.zeros(problem.dim)  # D: the window's update at multiplier 1
+        update_sum = np.zeros(problem.dim)  # sum of D_t over the window ("average")
         train = np.zeros(arms)
         with np.errstate(over="ignore", invalid="ignore"):
             for _ in range(length):
@@ -495,6 +498,7 @@ def simulate_budget(
                 # Every arm applies the all-replica gradient (evaluated at the arms' mean, which is
                 # exact for a quadratic) with its own multiplier: the arms stay on one line.
                 update += lr * (h * (start - update) + noise_std * rng.standard_normal(problem.dim))
+                update_sum += update
                 lrs.append(lr)
                 t += 1
         error = start - update
@@ -507,8 +511,11 @@ def simulate_budget(
             losses = end_losses
         else:
             points = line_points(rho.tolist())
+            if config.signal == "average":  # the line through the window-averaged iterates
+                avg = start[None, :] - rho[:, None] * (update_sum / length)[None, :]
+                end_losses = 0.5 * (avg * avg) @ h
             at = {p: float(v) for p, v in zip(rho.tolist(), end_losses)}
-            kappa = persistence(base[t - 1], base[-1])
+            kappa = persistence(base[t - 1], base[-1]) if config.signal == "line" else 1.0
             losses = np.asarray(fit_line(points, [at[p] for p in points], rho.tolist(), kappa).pseudo_losses)
         controller.update(losses.tolist(), {"lr": rho.tolist()}, t, base_values={"lr": float(base[t - 1])})
         scales.append(controller.scale("lr"))

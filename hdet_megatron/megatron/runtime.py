@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from hdet_megatron.averaging import BucketedAverager, Homer, own_storage, protect_module_state_dicts
-from hdet_megatron.config import HDETConfig
+from hdet_megatron.config import LINE_SIGNALS, HDETConfig
 from hdet_megatron.controller import AllArmsNonFinite, ControllerUpdate
 from hdet_megatron.line_signal import LineFit, fit_line, line_points, persistence
 from hdet_megatron.megatron import cpu as _cpu  # noqa: F401
@@ -255,7 +255,7 @@ class HDET:
             raise HDETSetupError("HDET config differs from the scheduler's hdet config; pass the same one")
         if scheduler.optimizer is not optimizer:
             raise HDETSetupError("the scheduler was built for a different optimizer")
-        if config.signal in ("probe", "line") and probe_fn is None:
+        if config.signal in ("probe",) + LINE_SIGNALS and probe_fn is None:
             raise HDETSetupError(
                 f"HDETConfig.signal={config.signal!r} needs probe_fn: a forward-only pass on an "
                 "unseen batch (examples/pretrain_gpt provides one); use signal='train' otherwise"
@@ -291,18 +291,22 @@ class HDET:
         # [controller signal per arm | reporting replicas per arm | ranks with non-finite params
         #  per arm | with signal="probe" only: window training loss per arm (else the signal) |
         #  with signal="line" only: loss sum at each line point (at most one point per arm)]
-        slots = {"train": 3, "probe": 4, "line": 4}[config.signal]
+        slots = {"train": 3, "probe": 4}.get(config.signal, 4)
         self._loss_reduce = torch.zeros(slots * self.layout.num_arms, dtype=torch.float64, device=device)
-        # signal="line": the window's start (the last converged main params) and a scratch copy
-        # of this arm's end point, to rebuild any point of the update line (2 copies of the main
-        # params: the signal's memory cost).
+        # The line signals: the window's start (the last converged main params) and a scratch
+        # copy of this arm's end point, to rebuild any point of the update line; "average" also
+        # sums the displacements theta_t - theta0 over the window (2 or 3 copies of the main
+        # params: the signals' memory cost).
         self._line_origin: Optional[list[torch.Tensor]] = None
         self._line_scratch: Optional[list[torch.Tensor]] = None
+        self._line_sum: Optional[list[torch.Tensor]] = None
         self._line_valid = False
         self.steps_in_window = 0
-        if config.signal == "line":
+        if config.signal in LINE_SIGNALS:
             self._line_origin = [torch.empty_like(p) for p in self._main_params]
             self._line_scratch = [torch.empty_like(p) for p in self._main_params]
+            if config.signal == "average":
+                self._line_sum = [torch.zeros_like(p) for p in self._main_params]
             self.mark_window_start()
         self.rollback = RollbackStore(self._main_params, rollback_dir) if config.rollback else None
         self.rollbacks = 0
@@ -415,6 +419,10 @@ class HDET:
                     "forward_backward_func returned (per-microbatch loss outputs)"
                 )
             self._loss_sum += self._step_loss(losses)
+        if self._line_sum is not None:
+            # signal="average": sum theta_t - theta0 (small numbers: no cancellation when the
+            # average is taken); device-side, no host sync.
+            torch._foreach_add_(self._line_sum, torch._foreach_sub(self._main_params, self._line_origin))
         self.iteration += 1
         self.steps_in_window += 1
         if self.steps_in_window >= self.config.period:
@@ -460,7 +468,7 @@ class HDET:
                 buf[3 * a + self.layout.arm] = train
             else:
                 buf[self.layout.arm] = train
-                if self.config.signal == "line" and probe is not None:
+                if self.config.signal in LINE_SIGNALS and probe is not None:
                     # Every replica evaluated every point: sums over all reporters.
                     buf[3 * a : 3 * a + probe.numel()] = probe
         # Every rank checks its own (shard of the) main params; device-side, no extra sync.
@@ -474,7 +482,7 @@ class HDET:
         def per_arm(totals):
             return [s / c if c > 0 else math.nan for s, c in zip(totals, counts)]
 
-        if self.config.signal == "line":
+        if self.config.signal in LINE_SIGNALS:
             # Point means over every reporting replica; returned in place of the signal.
             reporters = math.fsum(counts)
             points = [s / reporters if reporters > 0 else math.nan for s in values[3 * a :]]
@@ -489,6 +497,9 @@ class HDET:
         if self._line_origin is not None:
             for dst, src in zip(self._line_origin, self._main_params):
                 dst.copy_(src)
+            if self._line_sum is not None:
+                for t in self._line_sum:
+                    t.zero_()
             # Mid-window (a resume without converge-on-save) the params are not the window's
             # start: that window's line is unknown, and it must not steer the controller.
             self._line_valid = self.steps_in_window == 0
@@ -511,8 +522,13 @@ class HDET:
         losses = []
         try:
             for s in points:
-                for p, p0, p_arm in zip(self._main_params, self._line_origin, self._line_scratch):
-                    torch.lerp(p0, p_arm, s / rho, out=p)
+                if self._line_sum is None:  # "line": through the arm's end point
+                    for p, p0, p_arm in zip(self._main_params, self._line_origin, self._line_scratch):
+                        torch.lerp(p0, p_arm, s / rho, out=p)
+                else:  # "average": through its window-averaged iterate theta0 + sum / steps
+                    w = s / (rho * self.steps_in_window)
+                    for p, p0, total in zip(self._main_params, self._line_origin, self._line_sum):
+                        torch.add(p0, total, alpha=w, out=p)
                 self._refresh_model_params()
                 loss = self._probe_loss()
                 if loss is not None:
@@ -529,7 +545,7 @@ class HDET:
         line_pts = None
         if self.config.signal == "probe":
             probe = self._probe_loss()
-        elif self.config.signal == "line" and self._line_valid:
+        elif self.config.signal in LINE_SIGNALS and self._line_valid:
             line_pts, probe = self._line_probe(arm_values)
         else:
             probe = None
@@ -537,10 +553,11 @@ class HDET:
         line = None
         if line_pts is not None:
             base_now, base_end = self.scheduler.horizon_lrs()
-            line = fit_line(line_pts, arm_losses[: len(line_pts)], arm_values["lr"],
-                            persistence(base_now, base_end))
+            # "average" is not corrected: the weight average already leaves the noise floor out.
+            kappa = persistence(base_now, base_end) if self.config.signal == "line" else 1.0
+            line = fit_line(line_pts, arm_losses[: len(line_pts)], arm_values["lr"], kappa)
             arm_losses = list(line.pseudo_losses)
-        elif self.config.signal == "line":
+        elif self.config.signal in LINE_SIGNALS:
             # No line this window (see mark_window_start): equal losses, so nothing moves.
             arm_losses = [0.0 if math.isfinite(x) else x for x in train_losses]
         # An arm whose parameters blew up is as bad as an infinite loss, whatever it reported.

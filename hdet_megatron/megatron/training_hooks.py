@@ -100,7 +100,7 @@ def config_from_args(args) -> Optional[HDETConfig]:
     if not hasattr(args, "hdet_period"):
         return None
     config = hdet_config_from_args(args)
-    if config is not None and config.signal in ("probe", "line"):
+    if config is not None and config.signal in ("probe", "line", "average"):
         # The probe needs a forward pass on a batch shared by all arms; Megatron-LM's loop has no
         # hook for it yet, so refuse before anything is built rather than at the first converge.
         raise HDETConfigError(
