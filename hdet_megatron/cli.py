@@ -70,7 +70,16 @@ def _add_simulate(subparsers) -> None:
     p.add_argument("--meta-lr", type=number(0), default=0.5, help="controller meta LR lambda (default 0.5)")
     p.add_argument("--momentum", type=number(0, below=1), default=0.9,
                    help="controller momentum beta in [0, 1) (default 0.9)")
-    p.add_argument("--rule", choices=("relative", "paper"), default="relative", help="update rule")
+    p.add_argument("--rule", choices=("relative", "paper", "newton"), default="relative", help="update rule")
+    p.add_argument(
+        "--problem", choices=("tracking", "budget"), default="tracking",
+        help="tracking: constant LR, drifting optimum (default); budget: a fixed budget under "
+             "warm-up + cosine decay, where window-local signals show the short-horizon bias",
+    )
+    p.add_argument(
+        "--signal", choices=("train", "probe", "line", "average"), default="train",
+        help="controller signal (--problem budget only; see HDETConfig.signal)",
+    )
     p.add_argument("--grad-sync", choices=("global", "arm"), default="global", help="gradient sync mode")
     lr = p.add_mutually_exclusive_group()
     lr.add_argument(
@@ -78,17 +87,57 @@ def _add_simulate(subparsers) -> None:
         help="base LR as a multiple of the problem's optimum LR (default 4: too high)",
     )
     lr.add_argument("--base-lr", type=number(above=0), default=None, help="absolute base LR")
-    p.add_argument("--steps", type=integer(1), default=20000, help="training steps (default 20000)")
-    p.add_argument("--dim", type=integer(1, 100000), default=16, help="problem dimension (default 16)")
+    p.add_argument("--steps", type=integer(1), default=None,
+                   help="training steps (default 20000; 2000 with --problem budget)")
+    p.add_argument("--dim", type=integer(1, 100000), default=None,
+                   help="problem dimension (default 16; 32 with --problem budget)")
     p.add_argument("--seed", type=integer(0), default=0, help="random seed (default 0)")
     p.add_argument("--every", type=integer(1), default=10, help="print every k-th window (default 10)")
     p.add_argument("--rollback", action="store_true", help="roll back instead of stopping when all arms diverge")
+
+
+def _run_budget(args: argparse.Namespace, config: HDETConfig) -> int:
+    """``hdet simulate --problem budget``: the controller against a perfect LR sweep."""
+    from hdet_megatron.sim import BudgetNQM, simulate_budget
+
+    if args.base_lr is not None:
+        print("hdet simulate: --problem budget takes --base-lr-factor (a multiple of the best "
+              "peak LR), not --base-lr", file=sys.stderr)
+        return 2
+    try:
+        problem = BudgetNQM(dim=args.dim or 32)
+        result = simulate_budget(config, args.arms, args.base_lr_factor, args.steps or 2000,
+                                 replicas_per_arm=args.replicas_per_arm, seed=args.seed,
+                                 problem=problem)
+    except ValueError as exc:
+        print(f"hdet simulate: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"# budget NQM dim={problem.dim}, {args.arms} arms x {args.replicas_per_arm} replicas, "
+        f"{len(result.lrs)} steps (warm-up + cosine to 1/10), T={args.period}, "
+        f"spread={args.spread:.4g}, signal={args.signal}, rule={args.rule}, "
+        f"meta_lr={args.meta_lr}, momentum={args.momentum}"
+    )
+    print(f"# start: peak LR {args.base_lr_factor:g}x the best (a perfect sweep's expected "
+          f"final loss {result.best_loss:.4g})")
+    print(f"{'window':>6} {'step':>8} {'scale':>9} {'lr/best':>8}")
+    last = len(result.scales) - 1
+    for k, scale in enumerate(result.scales):
+        if k % args.every == 0 or k == last:
+            print(f"{k:>6} {(k + 1) * args.period:>8} {scale:>9.4f} {args.base_lr_factor * scale:>8.3f}")
+    print(f"# expected final loss {result.expected_loss:.4g}: {100 * result.gap:+.1f}% vs the best "
+          f"sweep point (this run's own final loss {result.final_loss:.4g})")
+    return 0
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
     from hdet_megatron.controller import AllArmsNonFinite
     from hdet_megatron.sim import NQMProblem, best_lr, simulate, steady_state_loss
 
+    if args.problem == "tracking" and args.signal != "train":
+        print(f"hdet simulate: --signal {args.signal} needs --problem budget (the tracking model "
+              "has no data noise or schedule to tell the signals apart)", file=sys.stderr)
+        return 2
     try:
         config = HDETConfig(
             period=args.period,
@@ -100,12 +149,18 @@ def _run_simulate(args: argparse.Namespace) -> int:
             grad_sync=args.grad_sync,
             seed=args.seed,
             rollback=args.rollback,
+            signal=args.signal,
         )
-        problem = NQMProblem(dim=args.dim)
+        if args.problem == "tracking":
+            problem = NQMProblem(dim=args.dim or 16)
     except HDETConfigError as exc:
         return fail("hdet simulate", name_the_flag(str(exc), _SIMULATE_FLAGS))
     except ValueError as exc:
         return fail("hdet simulate", str(exc))
+    if args.problem == "budget":
+        return _run_budget(args, config)
+    args.steps = args.steps or 20000
+    args.dim = args.dim or 16
     if args.steps < args.period:
         return fail("hdet simulate", f"--steps {args.steps} is shorter than one window (--period "
                     f"{args.period}): give --steps >= --period")

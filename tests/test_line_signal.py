@@ -177,3 +177,24 @@ def test_budget_sim_scales_to_many_replicas_and_validates():
         simulate_budget(LINE, 8, 1.0, 10)
     with pytest.raises(ValueError, match="warmup_fraction"):
         BudgetNQM(warmup_fraction=1.0)
+
+
+def test_cli_simulate_budget_shows_the_bias_and_the_fix(capsys):
+    from hdet_megatron.cli import main
+
+    common = ["simulate", "--problem", "budget", "--period", "20", "--spread", "0.3",
+              "--momentum", "0.5", "--base-lr-factor", "0.25", "--every", "50"]
+    assert main(common + ["--signal", "probe"]) == 0
+    probe = capsys.readouterr().out
+    assert main(common + ["--signal", "line", "--rule", "newton", "--meta-lr", "1"]) == 0
+    line = capsys.readouterr().out
+
+    def gap(text):
+        return float(text.rsplit("loss", 2)[1].split(":")[1].split("%")[0])
+
+    assert "budget NQM dim=32, 8 arms" in probe and gap(probe) > 100
+    assert gap(line) < 5
+    assert main(["simulate", "--signal", "line"]) == 2
+    assert "needs --problem budget" in capsys.readouterr().err
+    assert main(["simulate", "--problem", "budget", "--base-lr", "0.1"]) == 2
+    assert "--base-lr-factor" in capsys.readouterr().err
