@@ -159,6 +159,8 @@ def main() -> None:
     p.add_argument("--phase", choices=("sweep", "hdet", "all"), default="all")
     p.add_argument("--seeds", type=int, nargs="+", default=[1234])
     p.add_argument("--center-lr", type=float, default=2e-3, help="sweep centre (x1)")
+    p.add_argument("--sweep-exponents", type=int, nargs="+", default=list(SWEEP_EXPONENTS),
+                   help="sweep points k (lr = centre * 2**k) to start from (default -2..2)")
     p.add_argument("--best-lr", type=float, default=None,
                    help="LR of the HDET runs' 'best' (default: best sweep point of the same seed)")
     p.add_argument("--only", nargs="+", default=None, help="run only these HDET run names")
@@ -208,7 +210,7 @@ def main() -> None:
         # while the best LR has fewer than two points on either side, add the missing ones
         # (every point a power of two of --center-lr, so runs are shared between seeds' sweeps).
         sweep: dict[int, float] = {}  # exponent k (lr = center * 2**k) -> valid loss
-        wanted = set(SWEEP_EXPONENTS) if center_k is None else set(range(center_k - 2, center_k + 3))
+        wanted = set(args.sweep_exponents) if center_k is None else set(range(center_k - 2, center_k + 3))
         if args.phase == "hdet" and args.best_lr is not None:
             wanted = set()  # HDET runs only, around a given best LR: the sweep may run elsewhere
         while wanted:

@@ -73,7 +73,7 @@ class Job:
             )
             self.scheduler = HDETOptimizerParamScheduler(self.optimizer, hdet=self.config, **kwargs)
             self.probe_losses: list[float] = []
-            probe = self._probe if self.config.signal in ("probe", "line") else None
+            probe = self._probe if self.config.signal in ("probe", "line", "average") else None
             self.hdet = HDET(self.config, self.model, self.optimizer, self.scheduler, probe_fn=probe)
         else:
             self.scheduler = OptimizerParamScheduler(self.optimizer, **kwargs)

@@ -32,31 +32,35 @@ def _train(job: Job, until: int, syncs: list) -> None:
 
 def line_world(rank: int, world_size: int, root: str) -> dict:
     out: dict = {}
-    run = Run(period=3, steps=9, spread=0.3, config=LINE)
-    # 1. The reference: 9 steps, a checkpoint at the window end 6.
-    job = Job(run, world_size)
-    job.seek(0)
-    syncs: list = []
-    _train(job, 6, syncs)
-    job.save(os.path.join(root, "line"), "torch")
-    _train(job, 9, syncs)
-    out["reference"] = job.result()
-    out["syncs"] = syncs
-    out["arm"] = job.hdet.layout.arm
-    out["probe_losses"] = list(job.probe_losses)
-    job.close()
-    # 2. Resume from the checkpoint in fresh objects: bit-identical from there on.
-    job = Job(run, world_size)
-    assert job.load(os.path.join(root, "line"), iteration=6) == 6
-    _train(job, 9, [])
-    out["resumed"] = job.result()
-    job.close()
-    # 3. The line's forward passes leave training untouched: with the controller off, a line
-    #    run and a train-signal run are bit-identical.
-    for name, config in (("line_off", {**LINE, "auto": False}), ("train_off", {"auto": False})):
-        job = Job(Run(period=3, steps=6, spread=0.3, config=config), world_size)
+    for signal in ("line", "average"):
+        config = {**LINE, "signal": signal}
+        run = Run(period=3, steps=9, spread=0.3, config=config)
+        # 1. The reference: 9 steps, a checkpoint at the window end 6.
+        job = Job(run, world_size)
+        job.seek(0)
+        syncs: list = []
+        _train(job, 6, syncs)
+        job.save(os.path.join(root, signal), "torch")
+        _train(job, 9, syncs)
+        res = {"reference": job.result(), "syncs": syncs, "probe_losses": list(job.probe_losses)}
+        job.close()
+        # 2. Resume from the checkpoint in fresh objects: bit-identical from there on.
+        job = Job(run, world_size)
+        assert job.load(os.path.join(root, signal), iteration=6) == 6
+        _train(job, 9, [])
+        res["resumed"] = job.result()
+        job.close()
+        # 3. The line's forward passes leave training untouched: with the controller off, the
+        #    run is bit-identical to a train-signal run.
+        job = Job(Run(period=3, steps=6, spread=0.3, config={**config, "auto": False}), world_size)
         job.seek(0)
         _train(job, 6, [])
-        out[name] = job.result()
+        res["off"] = job.result()
         job.close()
+        out[signal] = res
+    job = Job(Run(period=3, steps=6, spread=0.3, config={"auto": False}), world_size)
+    job.seek(0)
+    _train(job, 6, [])
+    out["train_off"] = job.result()
+    job.close()
     return out

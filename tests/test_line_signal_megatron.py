@@ -12,8 +12,14 @@ from tests.line_signal_worker import line_world
 pytestmark = pytest.mark.slow
 
 
-def test_line_signal_on_megatron(tmp_path):
-    results = run_world(4, line_world, str(tmp_path), timeout=400)
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return run_world(4, line_world, str(tmp_path_factory.mktemp("line")), timeout=600)
+
+
+@pytest.mark.parametrize("signal", ["line", "average"])
+def test_line_signals_on_megatron(world, signal):
+    results = [r[signal] for r in world]
     ref = results[0]["reference"]
     windows = ref["history"]
     assert [w[0] for w in windows] == [3, 6, 9]
@@ -25,6 +31,8 @@ def test_line_signal_on_megatron(tmp_path):
         assert line is not None and len(line["points"]) == 4  # one point per arm multiplier
         assert line["points"] == sorted(line["points"]) and pseudo == line["pseudo_losses"]
         assert all(math.isfinite(x) for x in line["losses"])
+        # "line" corrects the slope by the persistence; "average" is never corrected.
+        assert (line["persistence"] < 1.0) if signal == "line" else line["persistence"] == 1.0
     assert ref["scales"]["lr"] != 1.0  # the controller moved on the line's evidence
     # The line's point losses are the mean over all 4 replicas of what each evaluated (its own
     # batch at each of the 4 points, in order), i.e. the same data for every point.
@@ -43,6 +51,10 @@ def test_line_signal_on_megatron(tmp_path):
         assert got["params"] == want["params"] and got["scales"] == want["scales"]
         assert got["history"] == [h for h in want["history"] if h[0] > 6]
     # Probing the line changes nothing about training (controller off in both runs).
-    for r in results:
-        assert r["line_off"]["params"] == r["train_off"]["params"]
-        assert r["line_off"]["losses"] == r["train_off"]["losses"]
+    for r, plain in zip(results, world):
+        assert r["off"]["params"] == plain["train_off"]["params"]
+        assert r["off"]["losses"] == plain["train_off"]["losses"]
+    # The two signals see different points (end points vs window averages).
+    if signal == "average":
+        other = world[0]["line"]["reference"]["history"][0][3]["losses"]
+        assert windows[0][3]["losses"] != other
