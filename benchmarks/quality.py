@@ -66,7 +66,8 @@ def model_args(args: argparse.Namespace, data_prefix: str, seed: int) -> list[st
 
 def hdet_args(args: argparse.Namespace, auto: bool, rule: str = "relative",
               grad_sync: str = "global", spread: float | None = None,
-              signal: str = "train", meta_lr: float | None = None) -> list[str]:
+              signal: str = "train", meta_lr: float | None = None,
+              auto_start: int = 0) -> list[str]:
     """HDET flags of the benchmark (one setting for every HDET run, see BENCHMARKS.md)."""
     flags = [
         "--hdet-period", str(args.period),
@@ -74,7 +75,7 @@ def hdet_args(args: argparse.Namespace, auto: bool, rule: str = "relative",
         "--hdet-temperature", args.temperature,
         "--hdet-meta-lr", str(args.meta_lr if meta_lr is None else meta_lr),
         "--hdet-momentum", str(args.momentum), "--hdet-rule", rule, "--hdet-grad-sync", grad_sync,
-        "--hdet-signal", signal,
+        "--hdet-signal", signal, "--hdet-auto-start", str(auto_start),
     ]
     return flags + ([] if auto else ["--no-hdet-auto"])
 
@@ -259,6 +260,11 @@ def main() -> None:
             ("avg-best", best, hdet_args(args, auto=True, signal="average", rule="newton", meta_lr=1.0)),
             ("avg-low", best / 4, hdet_args(args, auto=True, signal="average", rule="newton", meta_lr=1.0)),
             ("avg-high", best * 4, hdet_args(args, auto=True, signal="average", rule="newton", meta_lr=1.0)),
+            # "average" with the controller held for the first 100 iterations (5 windows): early
+            # windows reward any step size (fast initial progress) and pushed the LR up.
+            ("avgs-best", best, hdet_args(args, auto=True, signal="average", rule="newton", meta_lr=1.0, auto_start=100)),
+            ("avgs-low", best / 4, hdet_args(args, auto=True, signal="average", rule="newton", meta_lr=1.0, auto_start=100)),
+            ("avgs-high", best * 4, hdet_args(args, auto=True, signal="average", rule="newton", meta_lr=1.0, auto_start=100)),
             # Measurement only: the line signal logged at a fixed scale (controller off).
             ("linefix-low", best / 4, hdet_args(args, auto=False, signal="line", rule="newton")),
             ("linefix-best", best, hdet_args(args, auto=False, signal="line", rule="newton")),
@@ -335,7 +341,8 @@ def markdown_table(rows: list[dict]) -> str:
              "|---|---:|---:|---:|---:|---:|---:|"]
     order = ["spread", "spread-small", "auto-best", "probe-best", "line-best", "auto-low",
              "probe-low", "line-low", "paper-low", "arm-low", "auto-high", "probe-high",
-             "line-high", "paper-high", "avg-best", "avg-low", "avg-high"]
+             "line-high", "paper-high", "avg-best", "avg-low", "avg-high", "avgs-best",
+             "avgs-low", "avgs-high"]
     keys = sorted((k for k in groups if k.startswith("sweep")), key=lambda k: float(k[7:]))
     keys += [k for k in order if k in groups]
     for key in keys:
