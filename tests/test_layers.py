@@ -22,6 +22,7 @@ LAYERS = {
     "hdet_megatron.spread": MATH,
     "hdet_megatron.schedule": MATH,
     "hdet_megatron.controller": MATH,
+    "hdet_megatron.line_signal": MATH,
     "hdet_megatron.averaging": MATH,
     "hdet_megatron.sim": MATH,
     "hdet_megatron.metrics": MATH,
