@@ -1,3 +1,57 @@
-"""hdet-megatron: Hyperparameter-Divergent Ensemble Training for Megatron-Core GPT pretraining."""
+"""hdet-megatron: Hyperparameter-Divergent Ensemble Training for Megatron-Core and PyTorch.
+
+The names users type::
+
+    from hdet_megatron import HDETConfig, Axis, AutoController, BucketedAverager, HDETOneCycleLR
+
+Importing the package loads none of them: each is imported on first use (``HDETConfig``,
+``Axis`` and ``AutoController`` without torch; the averager and the scheduler with torch), and
+megatron.core is never imported from here. The Megatron names (``HDET``,
+``HDETOptimizerParamScheduler``, ``ArmLayout``) live in :mod:`hdet_megatron.megatron`, FSDP2
+checkpoints in :mod:`hdet_megatron.fsdp`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+#: Public name -> the module that defines it.
+_EXPORTS = {
+    "HDETConfig": "hdet_megatron.config",
+    "Axis": "hdet_megatron.config",
+    "HDETConfigError": "hdet_megatron.config",
+    "AutoController": "hdet_megatron.controller",
+    "ControllerUpdate": "hdet_megatron.controller",
+    "AllArmsNonFinite": "hdet_megatron.controller",
+    "NonFiniteArm": "hdet_megatron.controller",
+    "arm_spread": "hdet_megatron.spread",
+    "BucketedAverager": "hdet_megatron.averaging",
+    "AverageStats": "hdet_megatron.averaging",
+    "HDETOneCycleLR": "hdet_megatron.torch_scheduler",
+    "MissingLoss": "hdet_megatron.torch_scheduler",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa: F401 below
+    from hdet_megatron.averaging import AverageStats, BucketedAverager
+    from hdet_megatron.config import Axis, HDETConfig, HDETConfigError
+    from hdet_megatron.controller import AllArmsNonFinite, AutoController, ControllerUpdate, NonFiniteArm
+    from hdet_megatron.spread import arm_spread
+    from hdet_megatron.torch_scheduler import HDETOneCycleLR, MissingLoss
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hdet_megatron' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,4 +1,4 @@
-"""The bad-input catalogue (README "Troubleshooting"): each error names the problem and a fix.
+"""The bad-input catalogue (docs/troubleshooting.md): each error names the problem and a fix.
 
 Config and flag errors are checked here; process-group, optimizer and runtime errors need a real
 Megatron world and are checked in ``tests/test_megatron_hdet.py::test_bad_setups_get_clear_errors``

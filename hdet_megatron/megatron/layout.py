@@ -51,6 +51,14 @@ class ArmLayout:
     """Last pipeline stage (``forward_backward_func`` returns losses here only)."""
 
     @classmethod
+    def single(cls) -> "ArmLayout":
+        """One process, one replica, one arm (no torch.distributed): for a scheduler used
+        without a process group."""
+        return cls(num_arms=1, arm=0, dp_size=1, dp_rank=0, replicas_per_arm=1, arm_ranks=(0,),
+                   cross_arm_ranks=(0,), arm_group=None, cross_arm_group=None, loss_group=None,
+                   is_loss_reporter=True, is_last_stage=True)
+
+    @classmethod
     def from_parallel_state(cls, arms: Optional[int] = None, pg_collection=None) -> "ArmLayout":
         """Build from Megatron's ``parallel_state`` (or an injected ``ProcessGroupCollection``).
 

@@ -251,6 +251,11 @@ class HDET:
                 "HDET needs an HDETOptimizerParamScheduler (a drop-in for Megatron's "
                 f"OptimizerParamScheduler), got {type(scheduler).__name__}"
             )
+        if scheduler.hdet_config is None:
+            raise HDETSetupError(
+                "the scheduler was built with hdet=None (plain Megatron); build it with "
+                "HDETOptimizerParamScheduler(..., hdet=config) to run HDET"
+            )
         if scheduler.hdet_config != config:
             raise HDETSetupError("HDET config differs from the scheduler's hdet config; pass the same one")
         if scheduler.optimizer is not optimizer:

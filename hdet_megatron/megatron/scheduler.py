@@ -14,6 +14,7 @@ import logging
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from hdet_megatron.config import HDETConfig
 from hdet_megatron.controller import AutoController
@@ -71,9 +72,12 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
 
     Same constructor as the parent plus keyword ``hdet`` (an :class:`HDETConfig`) and optionally
     ``layout`` (an :class:`ArmLayout`; built from ``parallel_state`` when omitted, which is a
-    collective call). ``state_dict()`` returns Megatron's keys plus ``"hdet"``;
-    ``load_state_dict`` accepts plain Megatron states (no ``"hdet"``: the controller starts at
-    scale 1 from that iteration).
+    collective call; a single process without torch.distributed gets one arm).
+    ``state_dict()`` returns Megatron's keys plus ``"hdet"``; ``load_state_dict`` accepts plain
+    Megatron states (no ``"hdet"``: the controller starts at scale 1 from that iteration).
+
+    ``hdet=None`` (the default) is Megatron's ``OptimizerParamScheduler`` exactly: the same
+    values at every step, the same ``state_dict``, no process group needed, no collective.
     """
 
     def __init__(
@@ -84,22 +88,46 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
         layout: Optional[ArmLayout] = None,
         **kwargs: Any,
     ) -> None:
-        if hdet is None:
-            hdet = HDETConfig()
-        if not isinstance(hdet, HDETConfig):
-            raise HDETSetupError(f"hdet must be an HDETConfig, got {type(hdet).__name__}")
+        if hdet is not None and not isinstance(hdet, HDETConfig):
+            raise HDETSetupError(f"hdet must be an HDETConfig or None, got {type(hdet).__name__}")
         self.hdet_config = hdet
-        self.layout = layout if layout is not None else ArmLayout.from_parallel_state(hdet.arms)
-        self.controller = AutoController(hdet, self.layout.num_arms)
-        self.window = 0
-        self._spread = arm_spread(hdet, self.layout.num_arms, 0)
-        self._group_axes: Optional[list] = None
         # Set by HDET (the runtime object) so that its window state travels with this state.
         self.hdet_runtime = None
+        self.window = 0
+        self._group_axes: Optional[list] = None
+        self._bases: list[tuple[float, float]] = []
+        if hdet is None:
+            # HDET off: exactly Megatron's scheduler (same values, same state dict, no process
+            # group needed, no collective).
+            self.layout = layout
+            self.controller = None
+            self._spread = {}
+            super().__init__(optimizer, *args, **kwargs)
+            return
+        if layout is None:
+            if dist.is_initialized() or (hdet.arms or 1) != 1:
+                layout = ArmLayout.from_parallel_state(hdet.arms)
+            else:
+                layout = ArmLayout.single()  # one process without torch.distributed: one arm
+        self.layout = layout
+        self.controller = AutoController(hdet, self.layout.num_arms)
+        self._spread = arm_spread(hdet, self.layout.num_arms, 0)
         super().__init__(optimizer, *args, **kwargs)
         # Group selection needs the parent's max_lr; the parent's step(0) ran without factors.
         self._group_axes = self._resolve_group_axes(optimizer)
         self.step(0)
+
+    @property
+    def hdet_enabled(self) -> bool:
+        """False when built with ``hdet=None`` (then this is Megatron's scheduler, unchanged)."""
+        return self.hdet_config is not None
+
+    def _require_hdet(self, what: str) -> None:
+        if self.hdet_config is None:
+            raise HDETSetupError(
+                f"{what} needs HDET: this scheduler was built with hdet=None (plain Megatron "
+                "OptimizerParamScheduler); pass hdet=HDETConfig(...)"
+            )
 
     def _resolve_group_axes(self, optimizer) -> list[Optional[str]]:
         """For each param group, the name of the LR axis that scales it (or None)."""
@@ -136,20 +164,23 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
     # -- the per-arm factors -------------------------------------------------------------------
     def set_window(self, window: int) -> None:
         """Use window ``window``'s permutation (and the controller's current scales) from now on,
-        re-applying the param group values at the current step."""
+        re-applying this arm's factors to the base values Megatron's last ``step`` wrote."""
+        self._require_hdet("set_window")
         self.window = window
         self._spread = arm_spread(self.hdet_config, self.layout.num_arms, window)
-        self.step(0)
+        self._apply_factors()
         if self.hdet_runtime is not None:
             self.hdet_runtime.on_window_change()
 
     def arm_spread_values(self) -> dict[str, list[float]]:
-        """Per axis, the spread value (multiplier or offset) of every arm in this window."""
+        """Per axis, the spread value (multiplier or offset) of every arm in this window ({}
+        without HDET)."""
         return {name: list(values) for name, values in self._spread.items()}
 
     def arm_factor(self, axis_name: str, arm: Optional[int] = None) -> float:
-        """``scale * rho`` of ``arm`` (default: this rank's) on a multiplicative axis."""
-        axis = self.hdet_config.axis(axis_name)
+        """``scale * rho`` of ``arm`` (default: this rank's) on a multiplicative axis (1 without
+        HDET or without that axis)."""
+        axis = self.hdet_config.axis(axis_name) if self.hdet_config is not None else None
         if axis is None:
             return 1.0
         arm = self.layout.arm if arm is None else arm
@@ -186,7 +217,7 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
         """Base (un-spread, un-scaled) value of every scheduler axis now (for ``rule="paper"``)."""
         groups = self.optimizer.param_groups
         values = {}
-        for axis in self.hdet_config.axes:
+        for axis in self.hdet_config.axes if self.hdet_config is not None else ():
             if axis.name == "weight_decay":
                 values[axis.name] = self.get_wd(groups[0] if groups else None)
             elif axis.name.startswith("lr"):
@@ -199,17 +230,33 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
         super().step(increment)
         if self._group_axes is None:  # inside the parent's __init__
             return
+        self._check_groups()
+        # What Megatron just wrote (the factors are applied to these until its next step, also
+        # on a window change: so a load leaves exactly Megatron's values, whose weight decay
+        # still follows the constructor's wd settings until the next step).
+        self._bases = [
+            (self.get_lr(group) if isinstance(group["lr"], torch.Tensor) else group["lr"],
+             group["weight_decay"])
+            for group in self.optimizer.param_groups
+        ]
+        self._apply_factors()
+
+    def _check_groups(self) -> None:
         if len(self._group_axes) != len(self.optimizer.param_groups):
             raise HDETSetupError(
                 "the optimizer's param groups changed after the HDET scheduler was built"
             )
-        for group, lr_axis in zip(self.optimizer.param_groups, self._group_axes):
-            lr = group["lr"]
-            if isinstance(lr, torch.Tensor):
-                lr.fill_(self._apply(lr_axis, self.get_lr(group)))
+
+    def _apply_factors(self) -> None:
+        """This arm's ``lr`` and ``weight_decay`` from the base values of Megatron's last step."""
+        self._check_groups()
+        for group, lr_axis, (lr, wd) in zip(self.optimizer.param_groups, self._group_axes, self._bases):
+            value = self._apply(lr_axis, lr)
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(value)
             else:
-                group["lr"] = self._apply(lr_axis, lr)
-            group["weight_decay"] = self._apply("weight_decay", group["weight_decay"])
+                group["lr"] = value
+            group["weight_decay"] = self._apply("weight_decay", wd)
 
     # -- checkpoints (state and resume rules: hdet_megatron/megatron/ckpt/) ---------------------
     #: On load, whose HDET config wins when it differs from the checkpoint's: True = this run's,
@@ -234,18 +281,27 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
             ckpt_resume.attach_runtime(self, runtime)
 
     def state_dict(self) -> dict:
+        """Megatron's state plus ``"hdet"`` (Megatron's state alone with ``hdet=None``)."""
         state = super().state_dict()
-        state["hdet"] = self.hdet_state_dict()
+        if self.hdet_config is not None:
+            state["hdet"] = self.hdet_state_dict()
         return state
 
     def hdet_state_dict(self) -> dict:
         """HDET's state (controller, window/generator position, runtime, config fingerprint)."""
+        self._require_hdet("hdet_state_dict")
         return ckpt_state.hdet_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Megatron's fields plus HDET state; a plain Megatron state (no ``"hdet"``) starts the
-        controller at scale 1. HDET state is validated before anything is modified."""
+        controller at scale 1. HDET state is validated before anything is modified. With
+        ``hdet=None``: Megatron's load (an HDET checkpoint's ``"hdet"`` entry is ignored, warned
+        once)."""
+        if self.hdet_config is None:
+            super().load_state_dict(ckpt_state.strip_hdet_state(state_dict))
+            return
         ckpt_resume.load_scheduler_state(self, state_dict, super().load_state_dict)
 
     def load_hdet_state_dict(self, state: dict, override: Optional[bool] = None) -> None:
+        self._require_hdet("load_hdet_state_dict")
         ckpt_resume.apply_hdet_load(self, ckpt_resume.plan_hdet_load(self, state, override))
