@@ -252,7 +252,8 @@ def load_checkpoint(
         raise ValueError(f"format={format!r} must be 'torch_dist' or 'torch' (legacy)")
     common = _check_common(_read_common(ckpt_dir, fmt), ckpt_dir)
     sched_state = common.get("opt_param_scheduler")
-    is_hdet = isinstance(scheduler, HDETOptimizerParamScheduler)
+    # An HDETOptimizerParamScheduler built with hdet=None is Megatron's scheduler.
+    is_hdet = isinstance(scheduler, HDETOptimizerParamScheduler) and scheduler.hdet_config is not None
     if hdet is None and is_hdet:
         hdet = scheduler.hdet_runtime
     # 1. Validate HDET state first: a bad one must not leave a half-loaded model behind.
