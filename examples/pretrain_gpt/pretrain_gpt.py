@@ -124,10 +124,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    # Everything is written and the process group destroyed: leave without the interpreter's
+    if code != 0:  # (an error: exit as usual, so that every rank's message gets out first)
+        sys.exit(code)
+    # Trained, everything written, the process group destroyed: leave without the interpreter's
     # finalization, where gloo's worker threads can abort the process (SIGABRT, "terminate
     # called without an active exception") while a peer node exits at the same moment
     # (seen in tests/test_multinode.py; pytorch/pytorch#179291).
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(0)
