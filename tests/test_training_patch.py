@@ -250,7 +250,7 @@ def test_patched_modules_import_and_parse_hdet_args(overlay):
         "temperature": "auto",
         "plain_scheduler": "OptimizerParamScheduler",
         "probe_error": "--hdet-signal probe is not supported through megatron.training yet (it "
-                       "needs a forward pass on a batch shared by all arms): use --hdet-signal "
+                       "needs probe forward passes at each window's end): use --hdet-signal "
                        "train, or examples/pretrain_gpt/pretrain_gpt.py which provides the probe",
     }
 
