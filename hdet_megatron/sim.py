@@ -167,6 +167,21 @@ class SimResult:
         return float(np.mean(tail))
 
 
+def _check_run(config: HDETConfig, arms, replicas_per_arm, steps, **positive: float) -> None:
+    """The arguments both simulators share: one ``lr`` axis, integer counts >= 1, and the named
+    LR argument a finite number > 0."""
+    if [a.name for a in config.axes] != ["lr"]:
+        raise ValueError(
+            f"the simulator models exactly one axis, 'lr'; config has {[a.name for a in config.axes]}"
+        )
+    for name, value in (("arms", arms), ("replicas_per_arm", replicas_per_arm), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    for name, value in positive.items():
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a finite number > 0")
+
+
 def simulate(
     config: HDETConfig,
     arms: int,
@@ -191,15 +206,7 @@ def simulate(
         problem = NQMProblem(dim=dim)
     elif dim != problem.dim:
         raise ValueError(f"dim={dim} disagrees with problem.dim={problem.dim}; pass one of them")
-    if [a.name for a in config.axes] != ["lr"]:
-        raise ValueError(
-            f"the simulator models exactly one axis, 'lr'; config has {[a.name for a in config.axes]}"
-        )
-    for name, value in (("arms", arms), ("replicas_per_arm", replicas_per_arm), ("steps", steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an integer >= 1")
-    if not math.isfinite(base_lr) or base_lr <= 0:
-        raise ValueError(f"base_lr={base_lr!r} must be a finite number > 0")
+    _check_run(config, arms, replicas_per_arm, steps, base_lr=base_lr)
 
     rng = np.random.default_rng(seed)
     period = config.period
@@ -363,30 +370,29 @@ class BudgetNQM:
         return np.where(t < warm, peak_lr * (t + 1) / warm, lr)
 
 
+def _final_losses(problem: BudgetNQM, lrs, scales: np.ndarray, replicas: int) -> np.ndarray:
+    """Exact expected final loss of plain data-parallel SGD with the per-step LRs ``lrs * scale``
+    for every ``scale`` in ``scales`` at once (the second moment of each coordinate obeys a
+    scalar linear recursion); ``inf`` where it blows up."""
+    h = problem.curvatures()
+    m = np.full((len(scales), problem.dim), problem.init_scale ** 2)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for unit in lrs:
+            lr = (scales * unit)[:, None]
+            m = (1.0 - lr * h) ** 2 * m + lr * lr * problem.noise * h / replicas
+    loss = 0.5 * (m * h).sum(axis=1)
+    return np.where(np.isfinite(loss), loss, np.inf)
+
+
 def budget_expected_loss(problem: BudgetNQM, lrs: Sequence[float], replicas: int) -> float:
     """Exact expected final loss of plain data-parallel SGD (``replicas`` replicas) run with the
-    per-step LRs ``lrs`` (the second moment of each coordinate obeys a scalar linear recursion;
-    ``inf`` if it blows up)."""
-    h = problem.curvatures()
-    m = np.full(problem.dim, problem.init_scale ** 2)
-    with np.errstate(over="ignore", invalid="ignore"):
-        for lr in lrs:
-            m = (1.0 - lr * h) ** 2 * m + lr * lr * problem.noise * h / replicas
-    loss = float(0.5 * (h * m).sum())
-    return loss if math.isfinite(loss) else math.inf
+    per-step LRs ``lrs`` (``inf`` if it blows up)."""
+    return float(_final_losses(problem, lrs, np.ones(1), replicas)[0])
 
 
 def _budget_losses(problem: BudgetNQM, steps: int, peaks: np.ndarray, replicas: int) -> np.ndarray:
     """:func:`budget_expected_loss` of the base schedule at every peak LR in ``peaks`` at once."""
-    h = problem.curvatures()
-    shape = problem.schedule(steps, 1.0)
-    m = np.full((len(peaks), problem.dim), problem.init_scale ** 2)
-    with np.errstate(over="ignore", invalid="ignore"):
-        for unit in shape:
-            lr = (peaks * unit)[:, None]
-            m = (1.0 - lr * h) ** 2 * m + lr * lr * problem.noise * h / replicas
-    loss = 0.5 * (m * h).sum(axis=1)
-    return np.where(np.isfinite(loss), loss, np.inf)
+    return _final_losses(problem, problem.schedule(steps, 1.0), peaks, replicas)
 
 
 @functools.lru_cache(maxsize=64)
@@ -461,13 +467,7 @@ def simulate_budget(
     problem = problem or BudgetNQM()
     if config.grad_sync != "global":
         raise ValueError("simulate_budget models grad_sync='global' only")
-    if [a.name for a in config.axes] != ["lr"]:
-        raise ValueError(f"the simulator models exactly one axis, 'lr'; config has {[a.name for a in config.axes]}")
-    for name, value in (("arms", arms), ("replicas_per_arm", replicas_per_arm), ("steps", steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an integer >= 1")
-    if not math.isfinite(start_scale) or start_scale <= 0:
-        raise ValueError(f"start_scale={start_scale!r} must be a finite number > 0")
+    _check_run(config, arms, replicas_per_arm, steps, start_scale=start_scale)
     period = config.period
     if steps < period:
         raise ValueError(f"steps={steps} is shorter than one window (period={period})")
