@@ -54,7 +54,7 @@ def model_args(args: argparse.Namespace, data_prefix: str, seed: int) -> list[st
         "--num-layers", str(args.layers), "--hidden-size", str(args.hidden),
         "--num-attention-heads", str(args.heads), "--seq-length", str(args.seq),
         "--hidden-dropout", "0", "--attention-dropout", "0",
-        "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--micro-batch-size", str(args.micro_batch), "--global-batch-size", str(args.global_batch),
         "--train-iters", str(args.steps),
         "--lr-decay-style", "cosine", "--lr-warmup-iters", str(args.warmup),
         "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", str(seed),
@@ -166,6 +166,10 @@ def main() -> None:
                    help="LR of the HDET runs' 'best' (default: best sweep point of the same seed)")
     p.add_argument("--only", nargs="+", default=None, help="run only these HDET run names")
     p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--global-batch", type=int, default=8,
+                   help="sequences per iteration over all 4 ranks (the 8x-batch rows use 64)")
+    p.add_argument("--micro-batch", type=int, default=2,
+                   help="sequences per rank per forward (global batch / 4 / micro = accumulation)")
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
