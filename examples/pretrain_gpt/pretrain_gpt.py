@@ -83,12 +83,35 @@ def _init_distributed(args) -> None:
         apply_gloo_cuda_adapter()
 
 
+#: How long a non-zero rank stays after an error it shares with rank 0 (see below).
+RANK0_REPORT_WAIT_S = 30.0
+
+
+def _let_rank0_report_first() -> None:
+    """Under torchrun, keep a rank other than 0 alive for a bounded time after an error.
+
+    torchrun stops every worker as soon as one exits non-zero. The errors here are found by
+    every rank alike (the checks depend on the command line and the world size), and only rank
+    0 prints them; a rank that got there first and left at once could have rank 0 killed before
+    its one line is out (seen on a loaded machine: tests/test_pretrain_e2e.py). Rank 0's exit ends
+    the wait early, since torchrun then terminates this rank; the bound only matters for an error
+    that rank 0 did not share.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # not under torchrun: nobody kills peers
+        return
+    import time
+
+    time.sleep(RANK0_REPORT_WAIT_S)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
 
     def fail(message: str) -> int:
         if rank == 0:
             print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+        else:
+            _let_rank0_report_first()
         return 2
 
     try:
