@@ -111,6 +111,17 @@ def test_train_save_resume_report(tmp_path, capsys):
     assert b_final["valid_loss"] == final["valid_loss"]
     assert (run_b / "latest_checkpointed_iteration.txt").read_text() == "8"
 
+    # Run C: a resume at another peak LR is refused in one line (Megatron-Core keys the saved
+    # optimizer param groups by max_lr / min_lr), not with a traceback.
+    lr_at = common.index("--lr") + 1
+    changed = [*common[:lr_at], "6e-3", *common[lr_at + 1:]]
+    c = torchrun([*changed, "--load", str(run_a), "--ckpt-step", "4", "--override-opt-param-scheduler"],
+                 cwd=tmp_path, timeout=120)
+    assert c.returncode != 0
+    assert c.stderr.count("pretrain_gpt.py: error: --load") == 1, c.stderr[-3000:]
+    assert "saved with another --lr / --min-lr" in c.stderr
+    assert "Traceback" not in c.stderr.split("pretrain_gpt.py: error")[0]  # (torchrun's own follows)
+
     # The report: text summary and a PNG.
     capsys.readouterr()
     assert hdet_main(["report", str(run_a)]) == 0

@@ -12,7 +12,7 @@ from typing import Optional
 #: Wall clock of the launch (``pretrain_gpt.py`` imports this module first).
 PROCESS_START = time.time()
 
-from gpt_args import _checkpoint_iteration, resolve_device  # noqa: E402
+from gpt_args import UsageError, _checkpoint_iteration, resolve_device  # noqa: E402
 from gpt_data import TrainerData  # noqa: E402
 
 
@@ -360,12 +360,25 @@ class Trainer(TrainerData):
         if _checkpoint_iteration(args.load, args.ckpt_step) is None:
             self.log(f"no checkpoint in {args.load}; training from scratch")
             return
-        iteration = checkpointing.load_checkpoint(
-            args.load, self.model, self.optimizer, self.scheduler, self.hdet,
-            iteration=args.ckpt_step, load_optimizer=not args.no_load_optim,
-            load_rng=not args.no_load_rng,
-            override_hdet_config=True if args.override_opt_param_scheduler else None,
-        )
+        try:
+            iteration = checkpointing.load_checkpoint(
+                args.load, self.model, self.optimizer, self.scheduler, self.hdet,
+                iteration=args.ckpt_step, load_optimizer=not args.no_load_optim,
+                load_rng=not args.no_load_rng,
+                override_hdet_config=True if args.override_opt_param_scheduler else None,
+            )
+        except ValueError as exc:
+            # Megatron-Core matches saved optimizer param groups by (wd_mult, lr_mult, max_lr,
+            # min_lr, ...) (MegatronOptimizer._filter_and_reorder_param_groups), so a resume with
+            # another --lr / --min-lr cannot find them, --override-opt-param-scheduler or not.
+            if "Could not find parameter group" not in str(exc):
+                raise
+            raise UsageError(
+                f"--load {args.load}: the checkpoint's optimizer param groups were saved with "
+                "another --lr / --min-lr (Megatron-Core matches groups by max_lr and min_lr): "
+                "resume with the saved --lr and --min-lr, or add --no-load-optim to start the "
+                "optimizer state afresh"
+            ) from None
         self.iteration = int(iteration)
         # Megatron's pretraining sampler position (constant global batch size).
         self.consumed_train_samples = self.iteration * args.global_batch_size
