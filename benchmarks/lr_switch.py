@@ -29,12 +29,15 @@ import glob
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
+from functools import reduce
+from math import gcd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from quality import PREPARE, ROOT, lr_flags, model_args, read_run, run_one  # noqa: E402
+from quality import (  # noqa: E402
+    add_model_flags, default_data_prefix, lr_flags, model_args, read_run, run_one,
+)
 
 
 def retarget_checkpoint(src: str, dst: str, factor: float) -> None:
@@ -60,15 +63,7 @@ def main() -> None:
     p.add_argument("--from-scale", type=float, default=4.0, help="the mis-set LR, in units of --best-lr")
     p.add_argument("--at", type=int, nargs="+", default=[5, 10, 20, 40, 60],
                    help="iterations at which to switch to the best LR")
-    p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--eval-iters", type=int, default=20)
-    p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--micro-batch", type=int, default=2)
+    add_model_flags(p, steps=500)
     p.add_argument("--sweep-dir", default="benchmarks/results/quality",
                    help="quality.py output holding sweep-x1-sSEED (same flags) to compare with")
     p.add_argument("--out", default="benchmarks/results/lr_switch")
@@ -82,10 +77,7 @@ def main() -> None:
     def log(msg: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
 
-    data_prefix = subprocess.run(
-        [sys.executable, PREPARE, "--default-corpus", "--print-prefix"], cwd=ROOT, check=True,
-        stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
-    base = model_args(args, data_prefix, args.seed)
+    base = model_args(args, default_data_prefix(), args.seed)
     # Megatron ties the decay length to --train-iters unless told: keep the full run's schedule.
     base += ["--lr-decay-iters", str(args.steps)]
     ckpt_flags = ["--ckpt-format", "torch"]
@@ -102,11 +94,9 @@ def main() -> None:
     ckpt = os.path.join(args.out, name, "ckpt")
     short = list(base)
     short[short.index("--train-iters") + 1] = str(at[-1])
-    saves = [a for a in at if not os.path.isdir(os.path.join(ckpt, f"iter_{a:07d}"))]
-    if saves or args.force:
+    missing = any(not os.path.isdir(os.path.join(ckpt, f"iter_{a:07d}")) for a in at)
+    if missing or args.force:
         # Save at every switch point: the save interval is their gcd.
-        from math import gcd
-        from functools import reduce
         interval = reduce(gcd, at)
         run_one(name, short + lr_flags(from_lr) + ["--no-hdet", "--save", ckpt, "--save-interval",
                 str(interval)] + ckpt_flags, args.out, True, log)

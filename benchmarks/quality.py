@@ -47,6 +47,28 @@ NPROC = 4
 SWEEP_EXPONENTS = (-2, -1, 0, 1, 2)
 
 
+def add_model_flags(p: argparse.ArgumentParser, steps: int) -> None:
+    """The flags ``model_args`` reads (model, batch, schedule length, evaluation)."""
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--global-batch", type=int, default=8,
+                   help="sequences per iteration over all 4 ranks (the 8x-batch rows use 64)")
+    p.add_argument("--micro-batch", type=int, default=2,
+                   help="sequences per rank per forward (global batch / 4 / micro = accumulation)")
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--eval-iters", type=int, default=20)
+
+
+def default_data_prefix() -> str:
+    """The embedded default corpus, prepared (cached) by the example's ``prepare_data.py``."""
+    return subprocess.run(
+        [sys.executable, PREPARE, "--default-corpus", "--print-prefix"], cwd=ROOT, check=True,
+        stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
+
+
 def model_args(args: argparse.Namespace, data_prefix: str, seed: int) -> list[str]:
     """Flags shared by every run: model, data, schedule shape, evaluation."""
     return [
@@ -165,17 +187,7 @@ def main() -> None:
     p.add_argument("--best-lr", type=float, default=None,
                    help="LR of the HDET runs' 'best' (default: best sweep point of the same seed)")
     p.add_argument("--only", nargs="+", default=None, help="run only these HDET run names")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--global-batch", type=int, default=8,
-                   help="sequences per iteration over all 4 ranks (the 8x-batch rows use 64)")
-    p.add_argument("--micro-batch", type=int, default=2,
-                   help="sequences per rank per forward (global batch / 4 / micro = accumulation)")
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--eval-iters", type=int, default=20)
+    add_model_flags(p, steps=400)
     p.add_argument("--period", type=int, default=20, help="HDET converge period T")
     p.add_argument("--spread", type=float, default=0.3)
     p.add_argument("--temperature", default="auto")
@@ -193,9 +205,7 @@ def main() -> None:
         logf.write(line + "\n")
         logf.flush()
 
-    data_prefix = subprocess.run(
-        [sys.executable, PREPARE, "--default-corpus", "--print-prefix"], cwd=ROOT, check=True,
-        stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
+    data_prefix = default_data_prefix()
     results_path = os.path.join(args.out, "quality.json")
     rows = {}
     if os.path.exists(results_path):
