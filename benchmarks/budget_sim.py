@@ -47,26 +47,42 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     rows = []
-    print(f"{'N':>5} {'arms':>5} {'per arm':>7} {'signal':>8} {'start':>6} {'gap':>8} {'end lr/best':>11} {'s':>5}",
-          flush=True)
+    print(
+        f"{'N':>5} {'arms':>5} {'per arm':>7} {'signal':>8} {'start':>6} {'gap':>8} {'end lr/best':>11} {'s':>5}",
+        flush=True,
+    )
     for n in args.replicas:
         for per_arm in sorted({1, 8} if n >= 16 else {1}):
             arms = n // per_arm
             for name in args.signals:
-                config = HDETConfig(period=args.period, axes=(Axis("lr", args.spread),),
-                                    temperature="auto", **SIGNALS[name])
+                config = HDETConfig(
+                    period=args.period, axes=(Axis("lr", args.spread),), temperature="auto", **SIGNALS[name]
+                )
                 for start in args.starts:
                     t0 = time.perf_counter()
-                    runs = [simulate_budget(config, arms, start, args.steps, replicas_per_arm=per_arm,
-                                            seed=seed) for seed in range(args.seeds)]
+                    runs = [
+                        simulate_budget(config, arms, start, args.steps, replicas_per_arm=per_arm, seed=seed)
+                        for seed in range(args.seeds)
+                    ]
                     gap = sum(r.gap for r in runs) / len(runs)
                     end = math.exp(sum(math.log(r.effective_scales[-1]) for r in runs) / len(runs))
-                    row = {"replicas": n, "arms": arms, "replicas_per_arm": per_arm, "signal": name,
-                           "start": start, "gap": gap, "gaps": [r.gap for r in runs],
-                           "end_lr_over_best": end, "seconds": time.perf_counter() - t0}
+                    row = {
+                        "replicas": n,
+                        "arms": arms,
+                        "replicas_per_arm": per_arm,
+                        "signal": name,
+                        "start": start,
+                        "gap": gap,
+                        "gaps": [r.gap for r in runs],
+                        "end_lr_over_best": end,
+                        "seconds": time.perf_counter() - t0,
+                    }
                     rows.append(row)
-                    print(f"{n:>5} {arms:>5} {per_arm:>7} {name:>8} {start:>6g} {gap:>+8.3f} {end:>11.3f} "
-                          f"{row['seconds']:>5.1f}", flush=True)
+                    print(
+                        f"{n:>5} {arms:>5} {per_arm:>7} {name:>8} {start:>6g} {gap:>+8.3f} {end:>11.3f} "
+                        f"{row['seconds']:>5.1f}",
+                        flush=True,
+                    )
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "budget_sim.json"), "w") as f:
         json.dump({"settings": vars(args), "rows": rows}, f, indent=1)

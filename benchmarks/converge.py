@@ -69,11 +69,15 @@ class PeakRSS:
 
 def build_tensors(args) -> list[torch.Tensor]:
     from hdet_megatron.megatron import toy
+
     from megatron.core import parallel_state as ps
 
     setup = toy.ToyGPTSetup(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
-        vocab_size=args.vocab, seq_length=128,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=8,
+        vocab_size=args.vocab,
+        seq_length=128,
     )
     ps.initialize_model_parallel()
     torch.manual_seed(0)
@@ -106,16 +110,21 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--bucket-mb", type=float, nargs="+", default=[1, 4, 16, 40, 100])
-    p.add_argument("--home-mb", type=float, nargs="*", default=[40],
-                   help="bucket sizes of the homed (in-place) averager")
+    p.add_argument(
+        "--home-mb", type=float, nargs="*", default=[40], help="bucket sizes of the homed (in-place) averager"
+    )
     p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--no-average-parameters", action="store_true",
-                   help="leave out torch's average_parameters (slow, allocates a model copy per call)")
+    p.add_argument(
+        "--no-average-parameters",
+        action="store_true",
+        help="leave out torch's average_parameters (slow, allocates a model copy per call)",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    from hdet_megatron.averaging import BucketedAverager
     from torch.distributed.algorithms.model_averaging.utils import average_parameters
+
+    from hdet_megatron.averaging import BucketedAverager
 
     rank, n = dist.get_rank(), dist.get_world_size()
     tensors = build_tensors(args)
@@ -133,8 +142,11 @@ def main() -> None:
         assert homed[mb].homed_numel == numel
     methods = {
         "per_tensor": lambda: per_tensor(tensors, n),
-        **({} if args.no_average_parameters else
-           {"average_parameters": lambda: average_parameters(iter(tensors), None)}),
+        **(
+            {}
+            if args.no_average_parameters
+            else {"average_parameters": lambda: average_parameters(iter(tensors), None)}
+        ),
         "flat_limit": lambda: (dist.all_reduce(flat), flat.div_(n)),
     }
     for mb, avg in averagers.items():
@@ -163,8 +175,11 @@ def main() -> None:
     load_start = os.getloadavg()
     if rank == 0:
         print(f"[converge] load average (1/5/15 min) at start: {load_start}", flush=True)
-        print(f"[converge] {len(tensors)} tensors, {numel / 1e6:.1f}M params, "
-              f"{nbytes / 2**20:.0f} MiB fp32, {n} gloo ranks, {args.reps} rounds", flush=True)
+        print(
+            f"[converge] {len(tensors)} tensors, {numel / 1e6:.1f}M params, "
+            f"{nbytes / 2**20:.0f} MiB fp32, {n} gloo ranks, {args.reps} rounds",
+            flush=True,
+        )
     times: dict[str, list[float]] = {k: [] for k in methods}
     cpu: dict[str, list[float]] = {k: [] for k in methods}
     mem: dict[str, int] = {k: 0 for k in methods}
@@ -173,7 +188,7 @@ def main() -> None:
         fn()
     for rep in range(args.reps):
         # Rotate the order every round: no method always follows the same neighbour.
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
             fn = methods[name]
             dist.barrier()
             with PeakRSS() as peak:
@@ -200,32 +215,49 @@ def main() -> None:
             med = statistics.median(times[name])
             # Paired: each round's time over the same round's flat_limit time, then the median.
             paired = statistics.median(a / b for a, b in zip(times[name], times["flat_limit"]))
-            rows.append({
-                "method": name,
-                "median_s": med,
-                "ratio_to_limit": med / limit,
-                "paired_ratio_to_limit": paired,
-                "cpu_s": statistics.median(cpu[name]),
-                "cpu_ratio_to_limit": statistics.median(cpu[name]) / limit_cpu,
-                "speedup_vs_per_tensor": statistics.median(times["per_tensor"]) / med,
-                "peak_rss_extra_mib": mem[name] / 2**20,
-                "allocated_by_construction_mib": by_construction[name] / 2**20,
-                "times_s": times[name],
-                "cpu_times_s": cpu[name],
-            })
+            rows.append(
+                {
+                    "method": name,
+                    "median_s": med,
+                    "ratio_to_limit": med / limit,
+                    "paired_ratio_to_limit": paired,
+                    "cpu_s": statistics.median(cpu[name]),
+                    "cpu_ratio_to_limit": statistics.median(cpu[name]) / limit_cpu,
+                    "speedup_vs_per_tensor": statistics.median(times["per_tensor"]) / med,
+                    "peak_rss_extra_mib": mem[name] / 2**20,
+                    "allocated_by_construction_mib": by_construction[name] / 2**20,
+                    "times_s": times[name],
+                    "cpu_times_s": cpu[name],
+                }
+            )
         print(f"[converge] load average at end: {os.getloadavg()}")
-        print(f"{'method':22s} {'median s':>9s} {'x limit':>8s} {'paired x':>8s} {'CPU s':>7s} "
-              f"{'CPU x':>6s} {'vs per-tensor':>13s} {'peak RSS+ MiB':>13s} {'buffers MiB':>11s}")
+        print(
+            f"{'method':22s} {'median s':>9s} {'x limit':>8s} {'paired x':>8s} {'CPU s':>7s} "
+            f"{'CPU x':>6s} {'vs per-tensor':>13s} {'peak RSS+ MiB':>13s} {'buffers MiB':>11s}"
+        )
         for r in rows:
-            print(f"{r['method']:22s} {r['median_s']:9.3f} {r['ratio_to_limit']:8.2f} "
-                  f"{r['paired_ratio_to_limit']:8.2f} {r['cpu_s']:7.2f} {r['cpu_ratio_to_limit']:6.2f} "
-                  f"{r['speedup_vs_per_tensor']:13.2f} {r['peak_rss_extra_mib']:13.1f} "
-                  f"{r['allocated_by_construction_mib']:11.1f}")
+            print(
+                f"{r['method']:22s} {r['median_s']:9.3f} {r['ratio_to_limit']:8.2f} "
+                f"{r['paired_ratio_to_limit']:8.2f} {r['cpu_s']:7.2f} {r['cpu_ratio_to_limit']:6.2f} "
+                f"{r['speedup_vs_per_tensor']:13.2f} {r['peak_rss_extra_mib']:13.1f} "
+                f"{r['allocated_by_construction_mib']:11.1f}"
+            )
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "converge.json"), "w") as f:
-            json.dump({"params": numel, "bytes": nbytes, "ranks": n, "reps": args.reps,
-                       "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-                       "torch": torch.__version__, "rows": rows}, f, indent=2)
+            json.dump(
+                {
+                    "params": numel,
+                    "bytes": nbytes,
+                    "ranks": n,
+                    "reps": args.reps,
+                    "loadavg_start": load_start,
+                    "loadavg_end": os.getloadavg(),
+                    "torch": torch.__version__,
+                    "rows": rows,
+                },
+                f,
+                indent=2,
+            )
     dist.destroy_process_group()
 
 

@@ -46,8 +46,20 @@ VOCAB = 50304
 
 def gpt_shapes(hidden: int, layers: int) -> list[tuple[int, ...]]:
     h = hidden
-    per_layer = [(3 * h, h), (3 * h,), (h, h), (h,), (4 * h, h), (4 * h,), (h, 4 * h), (h,),
-                 (h,), (h,), (h,), (h,)]
+    per_layer = [
+        (3 * h, h),
+        (3 * h,),
+        (h, h),
+        (h,),
+        (4 * h, h),
+        (4 * h,),
+        (h, 4 * h),
+        (h,),
+        (h,),
+        (h,),
+        (h,),
+        (h,),
+    ]
     return [(VOCAB, h)] + per_layer * layers + [(h,), (h,)]
 
 
@@ -107,8 +119,7 @@ def run_size(gb: float, args, device, n: int) -> dict:
 
     shapes = shapes_for_bytes(gb * 2**30, args.hidden)
     rank = dist.get_rank()
-    tensors = [torch.empty(s, device=device, dtype=torch.float32).normal_().add_(rank)
-               for s in shapes]
+    tensors = [torch.empty(s, device=device, dtype=torch.float32).normal_().add_(rank) for s in shapes]
     numel = sum(t.numel() for t in tensors)
     nbytes = numel * 4
     flat = torch.empty(numel, device=device, dtype=torch.float32)
@@ -134,8 +145,11 @@ def run_size(gb: float, args, device, n: int) -> dict:
         if hasattr(avg, "_pack") and hasattr(avg, "_unpack"):
             methods[f"pack_unpack_only[{mb:g}MB]"] = _pack_unpack(avg)
     if rank == 0:
-        print(f"[gpu_converge] {gb:g} GB: {len(tensors)} tensors, {numel / 1e6:.0f}M params, "
-              f"{nbytes / 2**30:.2f} GiB fp32, {n} rank(s), {args.reps} rounds", flush=True)
+        print(
+            f"[gpu_converge] {gb:g} GB: {len(tensors)} tensors, {numel / 1e6:.0f}M params, "
+            f"{nbytes / 2**30:.2f} GiB fp32, {n} rank(s), {args.reps} rounds",
+            flush=True,
+        )
     for fn in methods.values():  # warm-up (NCCL communicators, allocator)
         fn()
     times: dict[str, list[float]] = {k: [] for k in methods}
@@ -150,19 +164,32 @@ def run_size(gb: float, args, device, n: int) -> dict:
     copy_limit = 2 * med["d2d_copy"]
     rows = []
     for name in methods:
-        rows.append({
-            "method": name,
-            "median_s": med[name],
-            "min_s": min(times[name]),
-            "ratio_to_flat_limit": med[name] / med["flat_limit"],
-            "ratio_to_copy_limit": med[name] / copy_limit,
-            "speedup_vs_per_tensor": med["per_tensor"] / med[name],
-            "peak_extra_mib": mem[name] / 2**20,
-            "buffers_mib": (averagers[float(name.split("[")[1].split("MB")[0])].buffer_nbytes / 2**20
-                            if "[" in name else (nbytes / 2**20 if name == "flat_limit" else 0)),
-        })
-    result = {"gb": gb, "all_reduce_moves_data": n > 1, "params": numel, "bytes": nbytes, "tensors": len(tensors),
-              "copy_GBps": copy_gbps, "copy_limit_s": copy_limit, "rows": rows}
+        rows.append(
+            {
+                "method": name,
+                "median_s": med[name],
+                "min_s": min(times[name]),
+                "ratio_to_flat_limit": med[name] / med["flat_limit"],
+                "ratio_to_copy_limit": med[name] / copy_limit,
+                "speedup_vs_per_tensor": med["per_tensor"] / med[name],
+                "peak_extra_mib": mem[name] / 2**20,
+                "buffers_mib": (
+                    averagers[float(name.split("[")[1].split("MB")[0])].buffer_nbytes / 2**20
+                    if "[" in name
+                    else (nbytes / 2**20 if name == "flat_limit" else 0)
+                ),
+            }
+        )
+    result = {
+        "gb": gb,
+        "all_reduce_moves_data": n > 1,
+        "params": numel,
+        "bytes": nbytes,
+        "tensors": len(tensors),
+        "copy_GBps": copy_gbps,
+        "copy_limit_s": copy_limit,
+        "rows": rows,
+    }
     del tensors, flat, copy_src, averagers, methods
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -176,9 +203,12 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, nargs="+", default=[40.0, 200.0])
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cpu: gloo, for a smoke test of this script only (benchmarks/converge.py "
-                        "is the CPU benchmark)")
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: gloo, for a smoke test of this script only (benchmarks/converge.py is the CPU benchmark)",
+    )
     args = p.parse_args()
     if "RANK" not in os.environ:  # plain `python gpu_converge.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
@@ -196,22 +226,37 @@ def main() -> None:
     sizes = [run_size(gb, args, device, n) for gb in args.gb]
     if dist.get_rank() == 0:
         for s in sizes:
-            print(f"\n{s['gb']:g} GB ({s['params'] / 1e6:.0f}M params, {s['tensors']} tensors): "
-                  f"d2d copy {s['copy_GBps']:.0f} GB/s -> the averager's two passes need "
-                  f">= {s['copy_limit_s'] * 1e3:.2f} ms")
-            print(f"{'method':24s} {'median ms':>10s} {'x flat':>7s} {'x copy lim':>10s} "
-                  f"{'vs per-tensor':>13s} {'peak+ MiB':>10s}")
+            print(
+                f"\n{s['gb']:g} GB ({s['params'] / 1e6:.0f}M params, {s['tensors']} tensors): "
+                f"d2d copy {s['copy_GBps']:.0f} GB/s -> the averager's two passes need "
+                f">= {s['copy_limit_s'] * 1e3:.2f} ms"
+            )
+            print(
+                f"{'method':24s} {'median ms':>10s} {'x flat':>7s} {'x copy lim':>10s} "
+                f"{'vs per-tensor':>13s} {'peak+ MiB':>10s}"
+            )
             for r in s["rows"]:
-                print(f"{r['method']:24s} {r['median_s'] * 1e3:10.3f} {r['ratio_to_flat_limit']:7.2f} "
-                      f"{r['ratio_to_copy_limit']:10.2f} {r['speedup_vs_per_tensor']:13.2f} "
-                      f"{r['peak_extra_mib']:10.1f}")
+                print(
+                    f"{r['method']:24s} {r['median_s'] * 1e3:10.3f} {r['ratio_to_flat_limit']:7.2f} "
+                    f"{r['ratio_to_copy_limit']:10.2f} {r['speedup_vs_per_tensor']:13.2f} "
+                    f"{r['peak_extra_mib']:10.1f}"
+                )
         os.makedirs(args.out, exist_ok=True)
         cuda = device.type == "cuda"
         with open(os.path.join(args.out, "gpu_converge.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(device) if cuda else "cpu",
-                       "torch": torch.__version__, "cuda": torch.version.cuda,
-                       "nccl": str(torch.cuda.nccl.version()) if cuda else None,
-                       "ranks": n, "reps": args.reps, "sizes": sizes}, f, indent=2)
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+                    "torch": torch.__version__,
+                    "cuda": torch.version.cuda,
+                    "nccl": str(torch.cuda.nccl.version()) if cuda else None,
+                    "ranks": n,
+                    "reps": args.reps,
+                    "sizes": sizes,
+                },
+                f,
+                indent=2,
+            )
     dist.destroy_process_group()
 
 

@@ -36,7 +36,12 @@ from math import gcd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from quality import (  # noqa: E402
-    add_model_flags, default_data_prefix, lr_flags, model_args, read_run, run_one,
+    add_model_flags,
+    default_data_prefix,
+    lr_flags,
+    model_args,
+    read_run,
+    run_one,
 )
 
 
@@ -61,11 +66,19 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--best-lr", type=float, default=2e-3, help="the best sweep LR (x1)")
     p.add_argument("--from-scale", type=float, default=4.0, help="the mis-set LR, in units of --best-lr")
-    p.add_argument("--at", type=int, nargs="+", default=[5, 10, 20, 40, 60],
-                   help="iterations at which to switch to the best LR")
+    p.add_argument(
+        "--at",
+        type=int,
+        nargs="+",
+        default=[5, 10, 20, 40, 60],
+        help="iterations at which to switch to the best LR",
+    )
     add_model_flags(p, steps=500)
-    p.add_argument("--sweep-dir", default="benchmarks/results/quality",
-                   help="quality.py output holding sweep-x1-sSEED (same flags) to compare with")
+    p.add_argument(
+        "--sweep-dir",
+        default="benchmarks/results/quality",
+        help="quality.py output holding sweep-x1-sSEED (same flags) to compare with",
+    )
     p.add_argument("--out", default="benchmarks/results/lr_switch")
     p.add_argument("--force", action="store_true")
     args = p.parse_args()
@@ -86,7 +99,9 @@ def main() -> None:
     ref_dir = os.path.join(args.sweep_dir, f"sweep-x1-{tag}")
     ref = read_run(ref_dir)
     if ref is None:
-        ref = run_one(f"to-x1-{tag}", base + lr_flags(args.best_lr) + ["--no-hdet"], args.out, args.force, log)
+        ref = run_one(
+            f"to-x1-{tag}", base + lr_flags(args.best_lr) + ["--no-hdet"], args.out, args.force, log
+        )
     ref_loss = ref["final"]["valid_loss"]
 
     from_lr = args.best_lr * args.from_scale
@@ -98,17 +113,39 @@ def main() -> None:
     if missing or args.force:
         # Save at every switch point: the save interval is their gcd.
         interval = reduce(gcd, at)
-        run_one(name, short + lr_flags(from_lr) + ["--no-hdet", "--save", ckpt, "--save-interval",
-                str(interval)] + ckpt_flags, args.out, True, log)
+        run_one(
+            name,
+            short
+            + lr_flags(from_lr)
+            + ["--no-hdet", "--save", ckpt, "--save-interval", str(interval)]
+            + ckpt_flags,
+            args.out,
+            True,
+            log,
+        )
     target = ckpt + "-retargeted"
     if not os.path.isdir(target) or args.force:
         retarget_checkpoint(ckpt, target, args.best_lr / from_lr)
 
     rows = []
     for s in at:
-        res = run_one(f"switch-{s}-{tag}", base + lr_flags(args.best_lr) + [
-            "--no-hdet", "--load", target, "--ckpt-step", str(s), "--override-opt-param-scheduler",
-        ] + ckpt_flags, args.out, args.force, log)
+        res = run_one(
+            f"switch-{s}-{tag}",
+            base
+            + lr_flags(args.best_lr)
+            + [
+                "--no-hdet",
+                "--load",
+                target,
+                "--ckpt-step",
+                str(s),
+                "--override-opt-param-scheduler",
+            ]
+            + ckpt_flags,
+            args.out,
+            args.force,
+            log,
+        )
         loss = res["final"]["valid_loss"]
         rows.append({"switch_at": s, "valid_loss": loss, "vs_best": loss / ref_loss - 1})
     with open(os.path.join(args.out, f"lr_switch-x{args.from_scale:g}-{tag}.json"), "w") as f:

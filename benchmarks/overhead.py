@@ -34,13 +34,18 @@ def main() -> None:
     p.add_argument("--block", type=int, default=5)
     p.add_argument("--converges", type=int, default=7)
     p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: model and batches on GPU LOCAL_RANK %% device_count (several ranks "
-                        "may share one GPU over gloo; NCCL needs one GPU per rank)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: model and batches on GPU LOCAL_RANK %% device_count (several ranks "
+        "may share one GPU over gloo; NCCL needs one GPU per rank)",
+    )
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     p.add_argument("--bf16", action="store_true", help="bf16 params, fp32 main params")
-    p.add_argument("--dist-opt", action="store_true",
-                   help="distributed optimizer (one instance per arm: arms = DP)")
+    p.add_argument(
+        "--dist-opt", action="store_true", help="distributed optimizer (one instance per arm: arms = DP)"
+    )
     p.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local")
     args = p.parse_args()
     cuda = args.device == "cuda"
@@ -58,12 +63,21 @@ def main() -> None:
     from hdet_megatron.megatron.runtime import HDET
     from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
     from hdet_megatron.megatron.sync_counter import HostSyncCounter
+
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     setup = toy.ToyGPTSetup(
-        tp=args.tp, num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
-        vocab_size=512, seq_length=args.seq, micro_batch_size=4, num_microbatches=2,
-        cuda=cuda, bf16=args.bf16, use_distributed_optimizer=args.dist_opt,
+        tp=args.tp,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=8,
+        vocab_size=512,
+        seq_length=args.seq,
+        micro_batch_size=4,
+        num_microbatches=2,
+        cuda=cuda,
+        bf16=args.bf16,
+        use_distributed_optimizer=args.dist_opt,
         num_distributed_optimizer_instances=(dist.get_world_size() // args.tp) if args.dist_opt else 1,
         transformer_impl=args.transformer_impl,
     )
@@ -127,9 +141,11 @@ def main() -> None:
         conv = statistics.median(converge_s)
         result = {
             "setup": f"TP{args.tp} x DP{dist.get_world_size() // args.tp}, {args.layers} layers, "
-                     f"hidden {args.hidden}, seq {args.seq}, mbs 4 x 2 microbatches",
+            f"hidden {args.hidden}, seq {args.seq}, mbs 4 x 2 microbatches",
             "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "backend": args.backend, "bf16": args.bf16, "dist_opt": args.dist_opt,
+            "backend": args.backend,
+            "bf16": args.bf16,
+            "dist_opt": args.dist_opt,
             "transformer_impl": args.transformer_impl,
             "steps_per_arm": len(times["plain"]),
             "median_step_plain_s": plain,
@@ -138,15 +154,20 @@ def main() -> None:
             # Spread of the per-block ratio (hdet block median / the plain block run just
             # before it): how much of the overhead figure is noise.
             "block_ratio_quartiles": statistics.quantiles(
-                [statistics.median(times["hdet"][i:i + args.block])
-                 / statistics.median(times["plain"][i:i + args.block])
-                 for i in range(0, len(times["plain"]), args.block)], n=4),
+                [
+                    statistics.median(times["hdet"][i : i + args.block])
+                    / statistics.median(times["plain"][i : i + args.block])
+                    for i in range(0, len(times["plain"]), args.block)
+                ],
+                n=4,
+            ),
             "step_plain_quartiles_s": statistics.quantiles(times["plain"], n=4),
             "step_hdet_quartiles_s": statistics.quantiles(times["hdet"], n=4),
             # Direct measurement of what HDET adds to a non-converge step (no noise from the
             # rest of the step): the HDET.step call itself, relative to the plain step.
-            "median_hdet_step_call_s": statistics.median(hdet_calls[1:1 + len(times["hdet"])]),
-            "hdet_step_call_over_plain_step": statistics.median(hdet_calls[1:1 + len(times["hdet"])]) / plain,
+            "median_hdet_step_call_s": statistics.median(hdet_calls[1 : 1 + len(times["hdet"])]),
+            "hdet_step_call_over_plain_step": statistics.median(hdet_calls[1 : 1 + len(times["hdet"])])
+            / plain,
             "median_converge_s": conv,
             "converge_bytes": hdet.averager.nbytes,
             "amortized_T100": conv / (100 * plain),

@@ -40,17 +40,22 @@ def plot_converge(data: dict, out: str) -> str:
     names = [r["method"] for r in rows]
     ratios = [r["ratio_to_limit"] for r in rows]
     fig, ax = plt.subplots(figsize=(8, 3.8))
-    colors = ["tab:blue" if n.startswith("homed") else "tab:green" if n.startswith("bucketed")
-              else "tab:gray" for n in names]
+    colors = [
+        "tab:blue" if n.startswith("homed") else "tab:green" if n.startswith("bucketed") else "tab:gray"
+        for n in names
+    ]
     ax.barh(names, ratios, color=colors)
     ax.axvline(1.0, color="k", lw=0.8)
     ax.axvline(1.1, color="tab:red", lw=0.8, ls="--", label="target 1.10x")
     for i, r in enumerate(rows):
-        ax.text(ratios[i], i, f" {ratios[i]:.2f}x  +{r['peak_rss_extra_mib']:.0f} MiB", va="center",
-                fontsize=8)
+        ax.text(
+            ratios[i], i, f" {ratios[i]:.2f}x  +{r['peak_rss_extra_mib']:.0f} MiB", va="center", fontsize=8
+        )
     ax.set_xlabel("median time / flat all-reduce of the same bytes (lower is better)")
-    ax.set_title(f"Converge of {data['params'] / 1e6:.1f}M fp32 params, {data['ranks']} gloo ranks, "
-                 f"{data['reps']} rounds")
+    ax.set_title(
+        f"Converge of {data['params'] / 1e6:.1f}M fp32 params, {data['ranks']} gloo ranks, "
+        f"{data['reps']} rounds"
+    )
     ax.invert_yaxis()
     ax.set_xlim(0, max(ratios) * 1.35)
     ax.legend(loc="lower right", fontsize=8)
@@ -68,12 +73,21 @@ def plot_scale(rows: list, out: str) -> str:
         rs.sort(key=lambda r: r["replicas"])
         color = colors.setdefault(period, f"C{len(colors)}")
         ax = axes[0] if per_arm == 1 else axes[1]
-        ax.plot([r["replicas"] for r in rs], [r["error_octaves"] for r in rs],
-                "-o" if sync == "global" else "--s", color=color, label=f"T={period}, grad_sync={sync}")
+        ax.plot(
+            [r["replicas"] for r in rs],
+            [r["error_octaves"] for r in rs],
+            "-o" if sync == "global" else "--s",
+            color=color,
+            label=f"T={period}, grad_sync={sync}",
+        )
         if per_arm == 1 and sync == "global":
-            axes[2].plot([r["replicas"] for r in rs],
-                         [r["converge_bytes_per_step"] / 1e6 for r in rs], "-o", color=color,
-                         label=f"T={period}")
+            axes[2].plot(
+                [r["replicas"] for r in rs],
+                [r["converge_bytes_per_step"] / 1e6 for r in rs],
+                "-o",
+                color=color,
+                label=f"T={period}",
+            )
     for ax, title in ((axes[0], "one arm per replica"), (axes[1], "hierarchical: 8 replicas per arm")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("replicas N")
@@ -123,8 +137,15 @@ def plot_quality(data: dict, out: str) -> list[str]:
             by_lr[r["lr"]].append(r["valid_loss"])
     lrs = sorted(by_lr)
     stats = [_mean_and_range(by_lr[lr]) for lr in lrs]
-    ax.errorbar(lrs, [m for m, _, _ in stats], yerr=[[lo for _, lo, _ in stats], [hi for _, _, hi in stats]],
-                fmt="-o", color="k", capsize=3, label=f"plain Megatron sweep (mean of {len(seeds)} seeds)")
+    ax.errorbar(
+        lrs,
+        [m for m, _, _ in stats],
+        yerr=[[lo for _, lo, _ in stats], [hi for _, _, hi in stats]],
+        fmt="-o",
+        color="k",
+        capsize=3,
+        label=f"plain Megatron sweep (mean of {len(seeds)} seeds)",
+    )
     for group, (marker, label) in QUALITY_GROUPS.items():
         rs = [r for r in runs if r["group"] == group]
         if not rs:
@@ -151,9 +172,16 @@ def plot_quality(data: dict, out: str) -> list[str]:
             for r in (r for r in runs if r["group"] == group and r["lr_trajectory"]):
                 its = [0] + [t[0] for t in r["lr_trajectory"]]
                 ys = [r["lr"] / best.get(r["seed"], r["lr"])] + [
-                    t[1] / best.get(r["seed"], r["lr"]) for t in r["lr_trajectory"]]
-                ax.step(its, ys, where="post", color=f"C{i}", alpha=0.8,
-                        label=QUALITY_GROUPS[group][1] if r["seed"] == seeds[0] else None)
+                    t[1] / best.get(r["seed"], r["lr"]) for t in r["lr_trajectory"]
+                ]
+                ax.step(
+                    its,
+                    ys,
+                    where="post",
+                    color=f"C{i}",
+                    alpha=0.8,
+                    label=QUALITY_GROUPS[group][1] if r["seed"] == seeds[0] else None,
+                )
         ax.axhline(1.0, color="k", ls="--", lw=0.8, label="best sweep LR")
         ax.set_yscale("log", base=2)
         ax.set_xlabel("iteration")

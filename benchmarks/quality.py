@@ -50,10 +50,18 @@ SWEEP_EXPONENTS = (-2, -1, 0, 1, 2)
 def add_model_flags(p: argparse.ArgumentParser, steps: int) -> None:
     """The flags ``model_args`` reads (model, batch, schedule length, evaluation)."""
     p.add_argument("--steps", type=int, default=steps)
-    p.add_argument("--global-batch", type=int, default=8,
-                   help="sequences per iteration over all 4 ranks (the 8x-batch rows use 64)")
-    p.add_argument("--micro-batch", type=int, default=2,
-                   help="sequences per rank per forward (global batch / 4 / micro = accumulation)")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=8,
+        help="sequences per iteration over all 4 ranks (the 8x-batch rows use 64)",
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=2,
+        help="sequences per rank per forward (global batch / 4 / micro = accumulation)",
+    )
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
@@ -64,40 +72,99 @@ def add_model_flags(p: argparse.ArgumentParser, steps: int) -> None:
 
 def default_data_prefix() -> str:
     """The embedded default corpus, prepared (cached) by the example's ``prepare_data.py``."""
-    return subprocess.run(
-        [sys.executable, PREPARE, "--default-corpus", "--print-prefix"], cwd=ROOT, check=True,
-        stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
+    return (
+        subprocess.run(
+            [sys.executable, PREPARE, "--default-corpus", "--print-prefix"],
+            cwd=ROOT,
+            check=True,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
 
 
 def model_args(args: argparse.Namespace, data_prefix: str, seed: int) -> list[str]:
     """Flags shared by every run: model, data, schedule shape, evaluation."""
     return [
-        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
-        "--num-layers", str(args.layers), "--hidden-size", str(args.hidden),
-        "--num-attention-heads", str(args.heads), "--seq-length", str(args.seq),
-        "--hidden-dropout", "0", "--attention-dropout", "0",
-        "--micro-batch-size", str(args.micro_batch), "--global-batch-size", str(args.global_batch),
-        "--train-iters", str(args.steps),
-        "--lr-decay-style", "cosine", "--lr-warmup-iters", str(args.warmup),
-        "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", str(seed),
-        "--data-path", data_prefix, "--split", "90,5,5",
-        "--eval-interval", str(args.steps), "--eval-iters", str(args.eval_iters),
-        "--log-interval", str(args.steps), "--quiet", "--no-tensorboard",
+        "--tensor-model-parallel-size",
+        "1",
+        "--pipeline-model-parallel-size",
+        "1",
+        "--num-layers",
+        str(args.layers),
+        "--hidden-size",
+        str(args.hidden),
+        "--num-attention-heads",
+        str(args.heads),
+        "--seq-length",
+        str(args.seq),
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--micro-batch-size",
+        str(args.micro_batch),
+        "--global-batch-size",
+        str(args.global_batch),
+        "--train-iters",
+        str(args.steps),
+        "--lr-decay-style",
+        "cosine",
+        "--lr-warmup-iters",
+        str(args.warmup),
+        "--weight-decay",
+        "0.01",
+        "--clip-grad",
+        "1.0",
+        "--seed",
+        str(seed),
+        "--data-path",
+        data_prefix,
+        "--split",
+        "90,5,5",
+        "--eval-interval",
+        str(args.steps),
+        "--eval-iters",
+        str(args.eval_iters),
+        "--log-interval",
+        str(args.steps),
+        "--quiet",
+        "--no-tensorboard",
     ]
 
 
-def hdet_args(args: argparse.Namespace, auto: bool, rule: str = "relative",
-              grad_sync: str = "global", spread: float | None = None,
-              signal: str = "train", meta_lr: float | None = None,
-              auto_start: int = 0) -> list[str]:
+def hdet_args(
+    args: argparse.Namespace,
+    auto: bool,
+    rule: str = "relative",
+    grad_sync: str = "global",
+    spread: float | None = None,
+    signal: str = "train",
+    meta_lr: float | None = None,
+    auto_start: int = 0,
+) -> list[str]:
     """HDET flags of the benchmark (one setting for every HDET run, see BENCHMARKS.md)."""
     flags = [
-        "--hdet-period", str(args.period),
-        "--hdet-spread", f"{args.spread if spread is None else spread:.6g}",
-        "--hdet-temperature", args.temperature,
-        "--hdet-meta-lr", str(args.meta_lr if meta_lr is None else meta_lr),
-        "--hdet-momentum", str(args.momentum), "--hdet-rule", rule, "--hdet-grad-sync", grad_sync,
-        "--hdet-signal", signal, "--hdet-auto-start", str(auto_start),
+        "--hdet-period",
+        str(args.period),
+        "--hdet-spread",
+        f"{args.spread if spread is None else spread:.6g}",
+        "--hdet-temperature",
+        args.temperature,
+        "--hdet-meta-lr",
+        str(args.meta_lr if meta_lr is None else meta_lr),
+        "--hdet-momentum",
+        str(args.momentum),
+        "--hdet-rule",
+        rule,
+        "--hdet-grad-sync",
+        grad_sync,
+        "--hdet-signal",
+        signal,
+        "--hdet-auto-start",
+        str(auto_start),
     ]
     return flags + ([] if auto else ["--no-hdet-auto"])
 
@@ -122,9 +189,14 @@ def read_run(run_dir: str) -> dict | None:
             elif kind == "run":
                 run = rec
             elif kind == "window":
-                windows.append({"iteration": rec["iteration"], "base_lr": rec["base_lr"],
-                                "scale": rec["scales"].get("lr", 1.0),
-                                "arm_losses": rec["arm_losses"]})
+                windows.append(
+                    {
+                        "iteration": rec["iteration"],
+                        "base_lr": rec["base_lr"],
+                        "scale": rec["scales"].get("lr", 1.0),
+                        "arm_losses": rec["arm_losses"],
+                    }
+                )
             elif kind == "valid":
                 valid.append({"iteration": rec["iteration"], "loss": rec["loss"]})
     if final is None or run is None:
@@ -138,15 +210,26 @@ def run_one(name: str, flags: list[str], out: str, force: bool, log) -> dict:
     if done is not None:
         log(f"[{name}] already finished: valid loss {done['final']['valid_loss']:.4f} (skipped)")
         return done
-    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
-           f"--nproc-per-node={NPROC}", SCRIPT, *flags, "--run-dir", run_dir]
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "torchrun"),
+        "--standalone",
+        f"--nproc-per-node={NPROC}",
+        SCRIPT,
+        *flags,
+        "--run-dir",
+        run_dir,
+    ]
     os.makedirs(run_dir, exist_ok=True)
     # A stale metrics.jsonl of an unfinished run would be appended to: start clean.
     for stale in ("metrics.jsonl",):
         if os.path.exists(os.path.join(run_dir, stale)):
             os.remove(os.path.join(run_dir, stale))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+    )
     log(f"[{name}] start: {' '.join(shlex.quote(c) for c in cmd[3:])}")
     start = time.perf_counter()
     with open(os.path.join(run_dir, "stdout.log"), "w") as f:
@@ -164,12 +247,18 @@ def summarize(name: str, group: str, lr: float, seed: int, res: dict) -> dict:
     windows = res["windows"]
     final_scale = final.get("scales", {}).get("lr", 1.0) if final.get("scales") else 1.0
     return {
-        "name": name, "group": group, "seed": seed, "lr": lr,
-        "valid_loss": final["valid_loss"], "train_loss": final["train_loss"],
+        "name": name,
+        "group": group,
+        "seed": seed,
+        "lr": lr,
+        "valid_loss": final["valid_loss"],
+        "train_loss": final["train_loss"],
         "test_loss": final.get("test_loss"),
-        "final_scale": final_scale, "effective_lr": lr * final_scale,
+        "final_scale": final_scale,
+        "effective_lr": lr * final_scale,
         # Compute: every run uses NPROC ranks for its training time.
-        "rank_seconds": final["train_seconds"] * NPROC, "train_seconds": final["train_seconds"],
+        "rank_seconds": final["train_seconds"] * NPROC,
+        "train_seconds": final["train_seconds"],
         "tokens_per_s": final["tokens_per_s"],
         "lr_trajectory": [(w["iteration"], lr * w["scale"]) for w in windows],
         "valid_curve": [(v["iteration"], v["loss"]) for v in res["valid"]],
@@ -182,10 +271,19 @@ def main() -> None:
     p.add_argument("--phase", choices=("sweep", "hdet", "all"), default="all")
     p.add_argument("--seeds", type=int, nargs="+", default=[1234])
     p.add_argument("--center-lr", type=float, default=2e-3, help="sweep centre (x1)")
-    p.add_argument("--sweep-exponents", type=int, nargs="+", default=list(SWEEP_EXPONENTS),
-                   help="sweep points k (lr = centre * 2**k) to start from (default -2..2)")
-    p.add_argument("--best-lr", type=float, default=None,
-                   help="LR of the HDET runs' 'best' (default: best sweep point of the same seed)")
+    p.add_argument(
+        "--sweep-exponents",
+        type=int,
+        nargs="+",
+        default=list(SWEEP_EXPONENTS),
+        help="sweep points k (lr = centre * 2**k) to start from (default -2..2)",
+    )
+    p.add_argument(
+        "--best-lr",
+        type=float,
+        default=None,
+        help="LR of the HDET runs' 'best' (default: best sweep point of the same seed)",
+    )
     p.add_argument("--only", nargs="+", default=None, help="run only these HDET run names")
     add_model_flags(p, steps=400)
     p.add_argument("--period", type=int, default=20, help="HDET converge period T")
@@ -215,8 +313,14 @@ def main() -> None:
     def record(row: dict) -> None:
         rows[(row["name"], row["seed"])] = row
         with open(results_path, "w") as f:
-            json.dump({"settings": vars(args), "runs": sorted(rows.values(),
-                       key=lambda r: (r["seed"], r["group"], r["name"]))}, f, indent=1)
+            json.dump(
+                {
+                    "settings": vars(args),
+                    "runs": sorted(rows.values(), key=lambda r: (r["seed"], r["group"], r["name"])),
+                },
+                f,
+                indent=1,
+            )
 
     center_k = None
     for seed in args.seeds:
@@ -230,15 +334,17 @@ def main() -> None:
             wanted = set()  # HDET runs only, around a given best LR: the sweep may run elsewhere
         while wanted:
             for k in sorted(wanted - set(sweep)):
-                lr = args.center_lr * 2.0 ** k
-                name = f"sweep-x{2.0 ** k:g}-s{seed}"
+                lr = args.center_lr * 2.0**k
+                name = f"sweep-x{2.0**k:g}-s{seed}"
                 if args.phase in ("sweep", "all"):
                     res = run_one(name, base + lr_flags(lr) + ["--no-hdet"], args.out, args.force, log)
                 else:
                     res = read_run(os.path.join(args.out, name))
                 if res is None:
-                    raise SystemExit(f"seed {seed}: sweep run {name} is unfinished; run --phase "
-                                     "sweep first or give --best-lr")
+                    raise SystemExit(
+                        f"seed {seed}: sweep run {name} is unfinished; run --phase "
+                        "sweep first or give --best-lr"
+                    )
                 loss = res["final"]["valid_loss"]
                 sweep[k] = loss if math.isfinite(loss) else math.inf  # a diverged run loses
                 record(summarize(name, "sweep", lr, seed, res))
@@ -247,12 +353,14 @@ def main() -> None:
             missing = set(range(best_k - 2, best_k + 3)) - set(sweep)
             if not missing or args.best_lr is not None:
                 break
-            log(f"seed {seed}: best sweep LR x{2.0 ** best_k:g} lacks neighbours "
-                f"{sorted(2.0 ** k for k in missing)}: extending the sweep")
+            log(
+                f"seed {seed}: best sweep LR x{2.0**best_k:g} lacks neighbours "
+                f"{sorted(2.0**k for k in missing)}: extending the sweep"
+            )
             wanted |= missing
         if args.phase == "sweep":
             continue
-        best = args.best_lr if args.best_lr is not None else args.center_lr * 2.0 ** center_k
+        best = args.best_lr if args.best_lr is not None else args.center_lr * 2.0**center_k
         log(f"seed {seed}: best LR {best:g}")
         plan = [
             ("spread", best, hdet_args(args, auto=False)),
@@ -276,9 +384,21 @@ def main() -> None:
             ("avg-high", best * 4, hdet_args(args, auto=True, signal="average", rule="newton", meta_lr=1.0)),
             # "average" with the controller held for the first 100 iterations (5 windows): early
             # windows reward any step size (fast initial progress) and pushed the LR up.
-            ("avgs-best", best, hdet_args(args, auto=True, signal="average", rule="newton", meta_lr=1.0, auto_start=100)),
-            ("avgs-low", best / 4, hdet_args(args, auto=True, signal="average", rule="newton", meta_lr=1.0, auto_start=100)),
-            ("avgs-high", best * 4, hdet_args(args, auto=True, signal="average", rule="newton", meta_lr=1.0, auto_start=100)),
+            (
+                "avgs-best",
+                best,
+                hdet_args(args, auto=True, signal="average", rule="newton", meta_lr=1.0, auto_start=100),
+            ),
+            (
+                "avgs-low",
+                best / 4,
+                hdet_args(args, auto=True, signal="average", rule="newton", meta_lr=1.0, auto_start=100),
+            ),
+            (
+                "avgs-high",
+                best * 4,
+                hdet_args(args, auto=True, signal="average", rule="newton", meta_lr=1.0, auto_start=100),
+            ),
             # Measurement only: the line signal logged at a fixed scale (controller off).
             ("linefix-low", best / 4, hdet_args(args, auto=False, signal="line", rule="newton")),
             ("linefix-best", best, hdet_args(args, auto=False, signal="line", rule="newton")),
@@ -296,10 +416,12 @@ def main() -> None:
     spread_runs = [r["name"] for r in rows.values() if r["group"] == "spread"]
     snr = signal_to_noise(args.out, spread_runs)
     if snr:
-        log(f"controller signal (spread-only runs, {snr['points']} arm-windows): window loss vs "
+        log(
+            f"controller signal (spread-only runs, {snr['points']} arm-windows): window loss vs "
             f"LR multiplier slope {snr['slope_loss_per_multiplier']:+.4f}/unit, i.e. "
             f"{snr['signal_across_spread']:+.4f} from the lowest to the highest arm; residual "
-            f"std {snr['residual_std']:.4f} -> signal/noise {snr['snr_per_window']:.2f} per window")
+            f"std {snr['residual_std']:.4f} -> signal/noise {snr['snr_per_window']:.2f} per window"
+        )
         with open(results_path) as f:
             payload = json.load(f)
         payload["signal_to_noise"] = snr
@@ -334,8 +456,13 @@ def signal_to_noise(out: str, names: list[str]) -> dict:
     resid = [y - slope * x for x, y in zip(xs, ys)]
     noise = math.sqrt(sum(r * r for r in resid) / (len(resid) - 1))
     spread = max(xs) - min(xs)
-    return {"points": len(xs), "slope_loss_per_multiplier": slope, "residual_std": noise,
-            "signal_across_spread": slope * spread, "snr_per_window": abs(slope) * spread / noise}
+    return {
+        "points": len(xs),
+        "slope_loss_per_multiplier": slope,
+        "residual_std": noise,
+        "signal_across_spread": slope * spread,
+        "snr_per_window": abs(slope) * spread / noise,
+    }
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -343,20 +470,41 @@ def markdown_table(rows: list[dict]) -> str:
     final base LR relative to that seed's best LR, and compute."""
     best: dict[int, dict] = {}
     for r in rows:
-        if r["group"] == "sweep" and (r["seed"] not in best
-                                      or r["valid_loss"] < best[r["seed"]]["valid_loss"]):
+        if r["group"] == "sweep" and (
+            r["seed"] not in best or r["valid_loss"] < best[r["seed"]]["valid_loss"]
+        ):
             best[r["seed"]] = r
     groups: dict[str, list[dict]] = {}
     for r in sorted(rows, key=lambda r: r["lr"]):
         key = r["group"] if r["group"] != "sweep" else f"sweep x{r['lr'] / best[r['seed']]['lr']:g}"
         groups.setdefault(key, []).append(r)
-    lines = ["| run | seeds | start LR / best | final LR / best | valid loss (mean, min..max) "
-             "| vs best sweep point (mean, min..max) | rank-s per run |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    order = ["spread", "spread-small", "auto-best", "probe-best", "line-best", "auto-low",
-             "probe-low", "line-low", "paper-low", "arm-low", "auto-high", "probe-high",
-             "line-high", "paper-high", "avg-best", "avg-low", "avg-high", "avgs-best",
-             "avgs-low", "avgs-high"]
+    lines = [
+        "| run | seeds | start LR / best | final LR / best | valid loss (mean, min..max) "
+        "| vs best sweep point (mean, min..max) | rank-s per run |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    order = [
+        "spread",
+        "spread-small",
+        "auto-best",
+        "probe-best",
+        "line-best",
+        "auto-low",
+        "probe-low",
+        "line-low",
+        "paper-low",
+        "arm-low",
+        "auto-high",
+        "probe-high",
+        "line-high",
+        "paper-high",
+        "avg-best",
+        "avg-low",
+        "avg-high",
+        "avgs-best",
+        "avgs-low",
+        "avgs-high",
+    ]
     keys = sorted((k for k in groups if k.startswith("sweep")), key=lambda k: float(k[7:]))
     keys += [k for k in order if k in groups]
     for key in keys:
@@ -373,13 +521,13 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {key} | {len(rs)} | {geo(start):.3g} | {geo(final):.3g} | "
             f"{sum(loss) / len(loss):.4f} ({min(loss):.4f}..{max(loss):.4f}) | "
             f"{sum(rel) / len(rel):+.2f}% ({min(rel):+.2f}..{max(rel):+.2f}) | "
-            f"{sum(r['rank_seconds'] for r in rs) / len(rs):.0f} |")
+            f"{sum(r['rank_seconds'] for r in rs) / len(rs):.0f} |"
+        )
     return "\n".join(lines)
 
 
 def print_table(rows: list[dict], log) -> None:
-    log(f"{'run':<16} {'start LR':>9} {'final LR':>9} {'valid loss':>10} {'vs best sweep':>13} "
-        f"{'rank-s':>7}")
+    log(f"{'run':<16} {'start LR':>9} {'final LR':>9} {'valid loss':>10} {'vs best sweep':>13} {'rank-s':>7}")
     best_by_seed: dict[int, float] = {}
     for r in rows:
         if r["group"] == "sweep":
@@ -387,8 +535,10 @@ def print_table(rows: list[dict], log) -> None:
     for r in sorted(rows, key=lambda r: (r["seed"], r["group"] != "sweep", r["name"])):
         best = best_by_seed.get(r["seed"])
         rel = f"{100 * (r['valid_loss'] / best - 1):+.2f}%" if best else "-"
-        log(f"{r['name']:<16} {r['lr']:9.2e} {r['effective_lr']:9.2e} {r['valid_loss']:10.4f} "
-            f"{rel:>13} {r['rank_seconds']:7.0f}")
+        log(
+            f"{r['name']:<16} {r['lr']:9.2e} {r['effective_lr']:9.2e} {r['valid_loss']:10.4f} "
+            f"{rel:>13} {r['rank_seconds']:7.0f}"
+        )
 
 
 if __name__ == "__main__":

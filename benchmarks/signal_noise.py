@@ -50,33 +50,40 @@ def snr(blocks: list[list[tuple[list[float], list[float]]]]) -> dict:
     resid = [y - slope * x for x, y in zip(xs, ys)]
     noise = math.sqrt(sum(r * r for r in resid) / (len(resid) - 1))
     spread = max(xs) - min(xs)
-    return {"points": len(xs), "signal": slope * spread, "noise": noise,
-            "snr": abs(slope) * spread / noise}
+    return {"points": len(xs), "signal": slope * spread, "noise": noise, "snr": abs(slope) * spread / noise}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("runs", nargs="+")
-    p.add_argument("--tokens-per-arm-window", type=float, default=2 * 128 * 20,
-                   help="tokens one arm trains on per window in these runs (default: the quality "
-                        "benchmark's micro batch 2 x seq 128 x T 20 = 5120)")
+    p.add_argument(
+        "--tokens-per-arm-window",
+        type=float,
+        default=2 * 128 * 20,
+        help="tokens one arm trains on per window in these runs (default: the quality "
+        "benchmark's micro batch 2 x seq 128 x T 20 = 5120)",
+    )
     p.add_argument("--skip", type=int, default=5, help="leading windows left out (fast early phase)")
     p.add_argument("--blocks", type=int, nargs="+", default=[1, 2, 4, 8])
     args = p.parse_args()
-    print(f"{'run':<28} {'k':>2} {'tokens/arm/window':>17} {'signal':>8} {'noise':>8} {'SNR':>6} "
-          f"{'sqrt(k) x SNR(1)':>16}")
+    print(
+        f"{'run':<28} {'k':>2} {'tokens/arm/window':>17} {'signal':>8} {'noise':>8} {'SNR':>6} "
+        f"{'sqrt(k) x SNR(1)':>16}"
+    )
     for run in args.runs:
-        ws = windows(run)[args.skip:]
+        ws = windows(run)[args.skip :]
         base = None
         for k in args.blocks:
-            blocks = [ws[i:i + k] for i in range(0, len(ws) - k + 1, k)]
+            blocks = [ws[i : i + k] for i in range(0, len(ws) - k + 1, k)]
             if len(blocks) < 3:
                 continue
             r = snr(blocks)
             base = r["snr"] if k == 1 else base
-            print(f"{os.path.basename(run.rstrip('/')):<28} {k:>2} {k * args.tokens_per_arm_window:>17,.0f} "
-                  f"{r['signal']:>+8.4f} {r['noise']:>8.4f} {r['snr']:>6.2f} "
-                  f"{(base or 0) * math.sqrt(k):>16.2f}")
+            print(
+                f"{os.path.basename(run.rstrip('/')):<28} {k:>2} {k * args.tokens_per_arm_window:>17,.0f} "
+                f"{r['signal']:>+8.4f} {r['noise']:>8.4f} {r['snr']:>6.2f} "
+                f"{(base or 0) * math.sqrt(k):>16.2f}"
+            )
 
 
 if __name__ == "__main__":

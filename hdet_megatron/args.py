@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Mapping, Optional, Union
+from typing import Optional, Union
 
 from hdet_megatron.config import Axis, HDETConfig, HDETConfigError, parse_axis
 from hdet_megatron.preflight import integer, number
@@ -30,7 +31,7 @@ from hdet_megatron.preflight import integer, number
 _DEFAULT = HDETConfig()
 
 
-def _temperature(text: str) -> Union[float, str]:
+def _temperature(text: str) -> float | str:
     if text == "auto":
         return text
     try:
@@ -42,71 +43,157 @@ def _temperature(text: str) -> Union[float, str]:
 def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the HDET flag group to ``parser`` (Megatron-LM ``extra_args_provider`` compatible)."""
     g = parser.add_argument_group("hdet", "Hyperparameter-Divergent Ensemble Training")
-    g.add_argument("--no-hdet", dest="hdet", action="store_false",
-                   help="plain Megatron training (no fan-out, no converge, no controller)")
-    g.add_argument("--hdet-period", type=integer(), default=_DEFAULT.period,
-                   help="converge period T in iterations (default %(default)s)")
-    g.add_argument("--hdet-arms", type=integer(), default=None,
-                   help="number of arms A (must divide DP; default: one per DP replica)")
-    g.add_argument("--hdet-grad-sync", choices=("global", "arm"), default=_DEFAULT.grad_sync,
-                   help="'global': all-reduce grads over all DP every step (paper); 'arm': only "
-                        "inside an arm during fan-out")
-    g.add_argument("--hdet-axis", action="append", default=None, metavar="NAME:SPREAD[:MIN:MAX]",
-                   help="explored hyperparameter (repeatable): lr, lr:<group>, weight_decay, "
-                        "dropout, attention_temperature; default lr:0.1111")
-    g.add_argument("--hdet-spread", type=number(), default=None,
-                   help="spread of the LR axis (shorthand when no --hdet-axis is given)")
-    g.add_argument("--hdet-spread-kind", choices=("linear", "log"), default="linear",
-                   help="linear (paper) or log-symmetric multipliers for multiplicative axes")
-    g.add_argument("--hdet-auto", dest="hdet_auto", action="store_true", default=_DEFAULT.auto,
-                   help="run the auto controller (default)")
-    g.add_argument("--no-hdet-auto", dest="hdet_auto", action="store_false",
-                   help="fan-out and converge only; the base schedule is never moved")
-    g.add_argument("--hdet-auto-start", type=integer(), default=_DEFAULT.auto_start,
-                   help="iterations before the controller may move")
-    g.add_argument("--hdet-temperature", type=_temperature, default=_DEFAULT.temperature,
-                   help="softmax temperature sigma over arm losses, or 'auto'")
+    g.add_argument(
+        "--no-hdet",
+        dest="hdet",
+        action="store_false",
+        help="plain Megatron training (no fan-out, no converge, no controller)",
+    )
+    g.add_argument(
+        "--hdet-period",
+        type=integer(),
+        default=_DEFAULT.period,
+        help="converge period T in iterations (default %(default)s)",
+    )
+    g.add_argument(
+        "--hdet-arms",
+        type=integer(),
+        default=None,
+        help="number of arms A (must divide DP; default: one per DP replica)",
+    )
+    g.add_argument(
+        "--hdet-grad-sync",
+        choices=("global", "arm"),
+        default=_DEFAULT.grad_sync,
+        help="'global': all-reduce grads over all DP every step (paper); 'arm': only "
+        "inside an arm during fan-out",
+    )
+    g.add_argument(
+        "--hdet-axis",
+        action="append",
+        default=None,
+        metavar="NAME:SPREAD[:MIN:MAX]",
+        help="explored hyperparameter (repeatable): lr, lr:<group>, weight_decay, "
+        "dropout, attention_temperature; default lr:0.1111",
+    )
+    g.add_argument(
+        "--hdet-spread",
+        type=number(),
+        default=None,
+        help="spread of the LR axis (shorthand when no --hdet-axis is given)",
+    )
+    g.add_argument(
+        "--hdet-spread-kind",
+        choices=("linear", "log"),
+        default="linear",
+        help="linear (paper) or log-symmetric multipliers for multiplicative axes",
+    )
+    g.add_argument(
+        "--hdet-auto",
+        dest="hdet_auto",
+        action="store_true",
+        default=_DEFAULT.auto,
+        help="run the auto controller (default)",
+    )
+    g.add_argument(
+        "--no-hdet-auto",
+        dest="hdet_auto",
+        action="store_false",
+        help="fan-out and converge only; the base schedule is never moved",
+    )
+    g.add_argument(
+        "--hdet-auto-start",
+        type=integer(),
+        default=_DEFAULT.auto_start,
+        help="iterations before the controller may move",
+    )
+    g.add_argument(
+        "--hdet-temperature",
+        type=_temperature,
+        default=_DEFAULT.temperature,
+        help="softmax temperature sigma over arm losses, or 'auto'",
+    )
     g.add_argument("--hdet-meta-lr", type=number(), default=_DEFAULT.meta_lr, help="lambda")
     g.add_argument("--hdet-momentum", type=number(), default=_DEFAULT.momentum, help="beta")
-    g.add_argument("--hdet-scale-bounds", type=number(), nargs=2, default=list(_DEFAULT.scale_bounds),
-                   metavar=("MIN", "MAX"), help="clamp of the learned scale")
-    g.add_argument("--hdet-rule", choices=("relative", "paper", "newton"), default=_DEFAULT.rule,
-                   help="controller update: 'relative' (softmax, default), 'paper' (the paper's "
-                        "absolute rule) or 'newton' (step to the minimum of a quadratic fitted "
-                        "over the arms; >= 3 arms; use with --hdet-signal line)")
-    g.add_argument("--hdet-seed", type=integer(), default=_DEFAULT.seed,
-                   help="seed of the per-window permutations")
-    g.add_argument("--hdet-bucket-mb", type=number(), default=_DEFAULT.bucket_mb,
-                   help="converge all-reduce bucket size in MiB")
-    g.add_argument("--no-hdet-home-main-params", dest="hdet_home_main_params", action="store_false",
-                   default=_DEFAULT.home_main_params,
-                   help="copy main params in and out of the converge buckets at every converge "
-                        "instead of keeping them in the buckets (in-place converge, default)")
-    g.add_argument("--hdet-converge-on-save", dest="hdet_converge_on_save", action="store_true",
-                   default=_DEFAULT.converge_on_save, help="converge before saving (default)")
-    g.add_argument("--no-hdet-converge-on-save", dest="hdet_converge_on_save",
-                   action="store_false")
+    g.add_argument(
+        "--hdet-scale-bounds",
+        type=number(),
+        nargs=2,
+        default=list(_DEFAULT.scale_bounds),
+        metavar=("MIN", "MAX"),
+        help="clamp of the learned scale",
+    )
+    g.add_argument(
+        "--hdet-rule",
+        choices=("relative", "paper", "newton"),
+        default=_DEFAULT.rule,
+        help="controller update: 'relative' (softmax, default), 'paper' (the paper's "
+        "absolute rule) or 'newton' (step to the minimum of a quadratic fitted "
+        "over the arms; >= 3 arms; use with --hdet-signal line)",
+    )
+    g.add_argument(
+        "--hdet-seed", type=integer(), default=_DEFAULT.seed, help="seed of the per-window permutations"
+    )
+    g.add_argument(
+        "--hdet-bucket-mb",
+        type=number(),
+        default=_DEFAULT.bucket_mb,
+        help="converge all-reduce bucket size in MiB",
+    )
+    g.add_argument(
+        "--no-hdet-home-main-params",
+        dest="hdet_home_main_params",
+        action="store_false",
+        default=_DEFAULT.home_main_params,
+        help="copy main params in and out of the converge buckets at every converge "
+        "instead of keeping them in the buckets (in-place converge, default)",
+    )
+    g.add_argument(
+        "--hdet-converge-on-save",
+        dest="hdet_converge_on_save",
+        action="store_true",
+        default=_DEFAULT.converge_on_save,
+        help="converge before saving (default)",
+    )
+    g.add_argument("--no-hdet-converge-on-save", dest="hdet_converge_on_save", action="store_false")
     g.add_argument("--hdet-nonfinite", choices=("exclude", "raise"), default=_DEFAULT.nonfinite)
-    g.add_argument("--hdet-rollback", action="store_true", default=_DEFAULT.rollback,
-                   help="when every arm is non-finite, restore the last converged state")
-    g.add_argument("--hdet-signal", choices=("train", "probe", "line", "average"), default=_DEFAULT.signal,
-                   help="what the controller compares: 'train' (window training loss per arm, "
-                        "paper), 'probe' (each arm's loss on one shared unseen batch at the "
-                        "window's end: removes the arms' data noise; one forward per window) or "
-                        "'line' (every replica evaluates the window's update line at each arm's "
-                        "multiplier on its own unseen batch, slope corrected for the short-horizon "
-                        "bias; one forward per arm per window; >= 3 arms, one lr axis) or "
-                        "'average' (the same through the arms' window-averaged iterates)")
+    g.add_argument(
+        "--hdet-rollback",
+        action="store_true",
+        default=_DEFAULT.rollback,
+        help="when every arm is non-finite, restore the last converged state",
+    )
+    g.add_argument(
+        "--hdet-signal",
+        choices=("train", "probe", "line", "average"),
+        default=_DEFAULT.signal,
+        help="what the controller compares: 'train' (window training loss per arm, "
+        "paper), 'probe' (each arm's loss on one shared unseen batch at the "
+        "window's end: removes the arms' data noise; one forward per window) or "
+        "'line' (every replica evaluates the window's update line at each arm's "
+        "multiplier on its own unseen batch, slope corrected for the short-horizon "
+        "bias; one forward per arm per window; >= 3 arms, one lr axis) or "
+        "'average' (the same through the arms' window-averaged iterates)",
+    )
     return parser
 
 
 #: HDETConfig field -> the ``--hdet-*`` flag that sets it (error messages name the flag).
 HDET_FLAGS: dict[str, str] = {
-    "period": "--hdet-period", "arms": "--hdet-arms", "grad_sync": "--hdet-grad-sync",
-    "axes": "--hdet-axis", "auto_start": "--hdet-auto-start", "temperature": "--hdet-temperature",
-    "meta_lr": "--hdet-meta-lr", "momentum": "--hdet-momentum", "scale_bounds": "--hdet-scale-bounds",
-    "rule": "--hdet-rule", "seed": "--hdet-seed", "bucket_mb": "--hdet-bucket-mb",
-    "nonfinite": "--hdet-nonfinite", "signal": "--hdet-signal",
+    "period": "--hdet-period",
+    "arms": "--hdet-arms",
+    "grad_sync": "--hdet-grad-sync",
+    "axes": "--hdet-axis",
+    "auto_start": "--hdet-auto-start",
+    "temperature": "--hdet-temperature",
+    "meta_lr": "--hdet-meta-lr",
+    "momentum": "--hdet-momentum",
+    "scale_bounds": "--hdet-scale-bounds",
+    "rule": "--hdet-rule",
+    "seed": "--hdet-seed",
+    "bucket_mb": "--hdet-bucket-mb",
+    "nonfinite": "--hdet-nonfinite",
+    "signal": "--hdet-signal",
 }
 
 _FIELD = re.compile(r"^(?:HDETConfig\.(?P<field>\w+)=|Axis\b)")
@@ -126,7 +213,7 @@ def name_the_flag(message: str, flags: Mapping[str, str] = HDET_FLAGS) -> str:
     return f"{flag}: {message}" if flag else message
 
 
-def hdet_config_from_args(args: argparse.Namespace) -> Optional[HDETConfig]:
+def hdet_config_from_args(args: argparse.Namespace) -> HDETConfig | None:
     """The :class:`HDETConfig` the flags describe, or None with ``--no-hdet``.
 
     Raises :class:`HDETConfigError` (naming the flag and the field) for bad values.

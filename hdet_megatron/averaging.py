@@ -41,8 +41,9 @@ import functools
 import logging
 import time
 import weakref
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -78,7 +79,7 @@ class AverageStats:
     """Host wall time of the call (on GPU, kernels may still be running when it returns)."""
     weighted: bool = False
     """Whether per-rank weights were used."""
-    weight_sum: Optional[torch.Tensor] = None
+    weight_sum: torch.Tensor | None = None
     """Sum of the ranks' weights (0-dim tensor on the buckets' device), when weighted."""
 
 
@@ -95,7 +96,7 @@ class _Bucket:
     dtype: torch.dtype
     numel: int
     segments: tuple[_Segment, ...]
-    home: Optional[tuple[int, int]] = None  # homed: (index into self._homes, element offset)
+    home: tuple[int, int] | None = None  # homed: (index into self._homes, element offset)
 
     @property
     def length(self) -> int:
@@ -112,7 +113,7 @@ def _warn_once(key: str, message: str, *args) -> None:
         logger.warning(message, *args)
 
 
-def home_reason(t: torch.Tensor) -> Optional[str]:
+def home_reason(t: torch.Tensor) -> str | None:
     """Why ``t`` cannot be moved into a flat buffer by setting its ``.data`` (None: it can).
 
     Only tensors that own their whole storage are homed: a tensor whose storage is shared with
@@ -125,8 +126,10 @@ def home_reason(t: torch.Tensor) -> Optional[str]:
         return f"its dtype {t.dtype} is averaged in a float32 bucket (the copy is the cast)"
     if t.requires_grad and not t.is_leaf:
         return "it is not a leaf tensor"
-    if t._base is not None or t.storage_offset() != 0 or (
-        t.untyped_storage().nbytes() != t.numel() * t.element_size()
+    if (
+        t._base is not None
+        or t.storage_offset() != 0
+        or (t.untyped_storage().nbytes() != t.numel() * t.element_size())
     ):
         return (
             "it is a view into a larger storage (e.g. Megatron DistributedOptimizer's fp32 "
@@ -142,7 +145,7 @@ class Homer:
     storage is owned by a framework (``hdet_megatron.fsdp`` does FSDP2's sharded params).
     """
 
-    def reason(self, tensor: torch.Tensor) -> Optional[str]:
+    def reason(self, tensor: torch.Tensor) -> str | None:
         """None when ``tensor`` can be homed, else why not (logged once per reason)."""
         return home_reason(tensor)
 
@@ -202,7 +205,9 @@ def protect_module_state_dicts(modules: Sequence[torch.nn.Module], homed: Sequen
             seen.add(id(module))
             names = tuple(n for n, p in module._parameters.items() if p is not None and id(p) in ids)
             if names:
-                handles.append(module.register_state_dict_post_hook(functools.partial(_state_dict_hook, names)))
+                handles.append(
+                    module.register_state_dict_post_hook(functools.partial(_state_dict_hook, names))
+                )
     return handles
 
 
@@ -228,10 +233,10 @@ class BucketedAverager:
     def __init__(
         self,
         tensors: Iterable[torch.Tensor],
-        group: Optional[dist.ProcessGroup] = None,
+        group: dist.ProcessGroup | None = None,
         bucket_mb: float = 40.0,
         num_buffers: int = 2,
-        home: Union[bool, Homer] = False,
+        home: bool | Homer = False,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -279,7 +284,9 @@ class BucketedAverager:
         self.bucket_bytes = max(8, int(bucket_mb * 2**20))
 
         homer = home if isinstance(home, Homer) else (Homer() if home else None)
-        homed = self._choose_homed(homer) if homer is not None and self.group_size > 1 else [False] * len(unique)
+        homed = (
+            self._choose_homed(homer) if homer is not None and self.group_size > 1 else [False] * len(unique)
+        )
 
         # Streams per bucket dtype, in order of first appearance; cut into buckets. A stream is
         # homed when every tensor in it can be: then every bucket is a slice of its flat storage
@@ -305,7 +312,8 @@ class BucketedAverager:
                     f"mixed-{dtype}",
                     "BucketedAverager: the %s converge buckets also hold tensors that cannot be "
                     "homed, so the whole %s stream keeps the copying path",
-                    dtype, dtype,
+                    dtype,
+                    dtype,
                 )
             segs: list[_Segment] = []
             fill = start = 0
@@ -333,8 +341,7 @@ class BucketedAverager:
         self.num_buffers = min(num_buffers, len(copy_ids))
         buffer_bytes = max((buckets[i].length * _itemsize(buckets[i].dtype) for i in copy_ids), default=0)
         self._buffers = [
-            torch.empty(buffer_bytes, dtype=torch.uint8, device=self.device)
-            for _ in range(self.num_buffers)
+            torch.empty(buffer_bytes, dtype=torch.uint8, device=self.device) for _ in range(self.num_buffers)
         ]
         self._weight_sum = torch.zeros((), dtype=buckets[0].dtype, device=self.device)
 
@@ -367,12 +374,14 @@ class BucketedAverager:
                 reason,
                 "BucketedAverager: %d tensor(s) (%.1f MiB) keep the copying converge path "
                 "(pack into a bucket, unpack after the all-reduce) because %s",
-                len(idx), nbytes / 2**20, reason,
+                len(idx),
+                nbytes / 2**20,
+                reason,
             )
         return homed
 
     @torch.no_grad()
-    def _install_homes(self, homer: Optional[Homer]) -> None:
+    def _install_homes(self, homer: Homer | None) -> None:
         self._home_views: dict[int, torch.Tensor] = {}
         for flat, members in self._homes:
             offset = 0
@@ -499,7 +508,7 @@ class BucketedAverager:
             )
 
     @torch.no_grad()
-    def average(self, weights: Union[None, float, torch.Tensor] = None) -> AverageStats:
+    def average(self, weights: None | float | torch.Tensor = None) -> AverageStats:
         """Average the tensors in place across the group.
 
         Args:
@@ -522,12 +531,17 @@ class BucketedAverager:
                     self._weight_sum.fill_(weight)
                 if not bool(self._weight_sum > 0):
                     raise RuntimeError(_ALL_ZERO)
-            return AverageStats(0, 0, time.perf_counter() - start, weight is not None,
-                                self._weight_sum.clone() if weight is not None else None)
+            return AverageStats(
+                0,
+                0,
+                time.perf_counter() - start,
+                weight is not None,
+                self._weight_sum.clone() if weight is not None else None,
+            )
 
         self._check_homes()
         sent = sum(b.length * _itemsize(b.dtype) for b in self._buckets)
-        divisor: Union[float, torch.Tensor] = float(self.group_size)
+        divisor: float | torch.Tensor = float(self.group_size)
         if weight is not None:
             # Sum the weights before any homed tensor is scaled or zeroed in place, so that
             # "all weights 0" still leaves every tensor untouched (a slot in bucket 0 could not).

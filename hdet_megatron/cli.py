@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Optional
 
 from hdet_megatron.args import name_the_flag
 from hdet_megatron.config import Axis, HDETConfig, HDETConfigError
@@ -41,9 +42,16 @@ def _temperature(text: str):
 
 
 #: HDETConfig field -> the simulate flag that sets it (errors name the flag).
-_SIMULATE_FLAGS = {"period": "--period", "axes": "--spread", "temperature": "--sigma",
-                   "meta_lr": "--meta-lr", "momentum": "--momentum", "rule": "--rule",
-                   "grad_sync": "--grad-sync", "seed": "--seed"}
+_SIMULATE_FLAGS = {
+    "period": "--period",
+    "axes": "--spread",
+    "temperature": "--sigma",
+    "meta_lr": "--meta-lr",
+    "momentum": "--momentum",
+    "rule": "--rule",
+    "grad_sync": "--grad-sync",
+    "seed": "--seed",
+}
 
 
 def _add_simulate(subparsers) -> None:
@@ -57,43 +65,70 @@ def _add_simulate(subparsers) -> None:
         ),
     )
     p.add_argument("--arms", type=integer(1, 4096), default=8, help="number of arms (default 8)")
-    p.add_argument("--replicas-per-arm", type=integer(1, 4096), default=1,
-                   help="replicas per arm (default 1)")
+    p.add_argument(
+        "--replicas-per-arm", type=integer(1, 4096), default=1, help="replicas per arm (default 1)"
+    )
     p.add_argument("--period", type=integer(1), default=100, help="converge period T in steps (default 100)")
-    p.add_argument("--spread", type=number(0), default=1.0 / 9.0,
-                   help="LR spread alpha (default 1/9; < 1 with --kind linear)")
+    p.add_argument(
+        "--spread",
+        type=number(0),
+        default=1.0 / 9.0,
+        help="LR spread alpha (default 1/9; < 1 with --kind linear)",
+    )
     p.add_argument("--kind", choices=("linear", "log"), default="linear", help="spread kind")
     p.add_argument(
-        "--sigma", type=_temperature, default="auto",
+        "--sigma",
+        type=_temperature,
+        default="auto",
         help="softmax temperature, a number or 'auto' (default auto: the arm losses' std)",
     )
     p.add_argument("--meta-lr", type=number(0), default=0.5, help="controller meta LR lambda (default 0.5)")
-    p.add_argument("--momentum", type=number(0, below=1), default=0.9,
-                   help="controller momentum beta in [0, 1) (default 0.9)")
+    p.add_argument(
+        "--momentum",
+        type=number(0, below=1),
+        default=0.9,
+        help="controller momentum beta in [0, 1) (default 0.9)",
+    )
     p.add_argument("--rule", choices=("relative", "paper", "newton"), default="relative", help="update rule")
     p.add_argument(
-        "--problem", choices=("tracking", "budget"), default="tracking",
+        "--problem",
+        choices=("tracking", "budget"),
+        default="tracking",
         help="tracking: constant LR, drifting optimum (default); budget: a fixed budget under "
-             "warm-up + cosine decay, where window-local signals show the short-horizon bias",
+        "warm-up + cosine decay, where window-local signals show the short-horizon bias",
     )
     p.add_argument(
-        "--signal", choices=("train", "probe", "line", "average"), default="train",
+        "--signal",
+        choices=("train", "probe", "line", "average"),
+        default="train",
         help="controller signal (--problem budget only; see HDETConfig.signal)",
     )
     p.add_argument("--grad-sync", choices=("global", "arm"), default="global", help="gradient sync mode")
     lr = p.add_mutually_exclusive_group()
     lr.add_argument(
-        "--base-lr-factor", type=number(above=0), default=4.0,
+        "--base-lr-factor",
+        type=number(above=0),
+        default=4.0,
         help="base LR as a multiple of the problem's optimum LR (default 4: too high)",
     )
     lr.add_argument("--base-lr", type=number(above=0), default=None, help="absolute base LR")
-    p.add_argument("--steps", type=integer(1), default=None,
-                   help="training steps (default 20000; 2000 with --problem budget)")
-    p.add_argument("--dim", type=integer(1, 100000), default=None,
-                   help="problem dimension (default 16; 32 with --problem budget)")
+    p.add_argument(
+        "--steps",
+        type=integer(1),
+        default=None,
+        help="training steps (default 20000; 2000 with --problem budget)",
+    )
+    p.add_argument(
+        "--dim",
+        type=integer(1, 100000),
+        default=None,
+        help="problem dimension (default 16; 32 with --problem budget)",
+    )
     p.add_argument("--seed", type=integer(0), default=0, help="random seed (default 0)")
     p.add_argument("--every", type=integer(1), default=10, help="print every k-th window (default 10)")
-    p.add_argument("--rollback", action="store_true", help="roll back instead of stopping when all arms diverge")
+    p.add_argument(
+        "--rollback", action="store_true", help="roll back instead of stopping when all arms diverge"
+    )
 
 
 def _run_budget(args: argparse.Namespace, config: HDETConfig) -> int:
@@ -101,14 +136,23 @@ def _run_budget(args: argparse.Namespace, config: HDETConfig) -> int:
     from hdet_megatron.sim import BudgetNQM, simulate_budget
 
     if args.base_lr is not None:
-        print("hdet simulate: --problem budget takes --base-lr-factor (a multiple of the best "
-              "peak LR), not --base-lr", file=sys.stderr)
+        print(
+            "hdet simulate: --problem budget takes --base-lr-factor (a multiple of the best "
+            "peak LR), not --base-lr",
+            file=sys.stderr,
+        )
         return 2
     try:
         problem = BudgetNQM(dim=args.dim or 32)
-        result = simulate_budget(config, args.arms, args.base_lr_factor, args.steps or 2000,
-                                 replicas_per_arm=args.replicas_per_arm, seed=args.seed,
-                                 problem=problem)
+        result = simulate_budget(
+            config,
+            args.arms,
+            args.base_lr_factor,
+            args.steps or 2000,
+            replicas_per_arm=args.replicas_per_arm,
+            seed=args.seed,
+            problem=problem,
+        )
     except ValueError as exc:
         print(f"hdet simulate: {exc}", file=sys.stderr)
         return 2
@@ -118,15 +162,19 @@ def _run_budget(args: argparse.Namespace, config: HDETConfig) -> int:
         f"spread={args.spread:.4g}, signal={args.signal}, rule={args.rule}, "
         f"meta_lr={args.meta_lr}, momentum={args.momentum}"
     )
-    print(f"# start: peak LR {args.base_lr_factor:g}x the best (a perfect sweep's expected "
-          f"final loss {result.best_loss:.4g})")
+    print(
+        f"# start: peak LR {args.base_lr_factor:g}x the best (a perfect sweep's expected "
+        f"final loss {result.best_loss:.4g})"
+    )
     print(f"{'window':>6} {'step':>8} {'scale':>9} {'lr/best':>8}")
     last = len(result.scales) - 1
     for k, scale in enumerate(result.scales):
         if k % args.every == 0 or k == last:
             print(f"{k:>6} {(k + 1) * args.period:>8} {scale:>9.4f} {args.base_lr_factor * scale:>8.3f}")
-    print(f"# expected final loss {result.expected_loss:.4g}: {100 * result.gap:+.1f}% vs the best "
-          f"sweep point (this run's own final loss {result.final_loss:.4g})")
+    print(
+        f"# expected final loss {result.expected_loss:.4g}: {100 * result.gap:+.1f}% vs the best "
+        f"sweep point (this run's own final loss {result.final_loss:.4g})"
+    )
     return 0
 
 
@@ -135,8 +183,11 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from hdet_megatron.sim import NQMProblem, best_lr, simulate, steady_state_loss
 
     if args.problem == "tracking" and args.signal != "train":
-        print(f"hdet simulate: --signal {args.signal} needs --problem budget (the tracking model "
-              "has no data noise or schedule to tell the signals apart)", file=sys.stderr)
+        print(
+            f"hdet simulate: --signal {args.signal} needs --problem budget (the tracking model "
+            "has no data noise or schedule to tell the signals apart)",
+            file=sys.stderr,
+        )
         return 2
     try:
         config = HDETConfig(
@@ -162,15 +213,24 @@ def _run_simulate(args: argparse.Namespace) -> int:
     args.steps = args.steps or 20000
     args.dim = args.dim or 16
     if args.steps < args.period:
-        return fail("hdet simulate", f"--steps {args.steps} is shorter than one window (--period "
-                    f"{args.period}): give --steps >= --period")
+        return fail(
+            "hdet simulate",
+            f"--steps {args.steps} is shorter than one window (--period "
+            f"{args.period}): give --steps >= --period",
+        )
     replicas = args.arms * args.replicas_per_arm
     optimum = best_lr(problem, replicas)
     base = args.base_lr if args.base_lr is not None else args.base_lr_factor * optimum
     try:
         result = simulate(
-            config, args.arms, base, args.steps, replicas_per_arm=args.replicas_per_arm,
-            dim=args.dim, seed=args.seed, problem=problem,
+            config,
+            args.arms,
+            base,
+            args.steps,
+            replicas_per_arm=args.replicas_per_arm,
+            dim=args.dim,
+            seed=args.seed,
+            problem=problem,
         )
     except AllArmsNonFinite as exc:
         fail("hdet simulate", f"{exc} (lower --base-lr/--base-lr-factor, or pass --rollback)")
@@ -213,11 +273,14 @@ def _add_report(subparsers) -> None:
             "trajectory base x scale with the arms' band, validation loss, per-window arm losses."
         ),
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="directory of an HDET training run (--run-dir / --save)")
+    p.add_argument(
+        "run_dir", metavar="RUN_DIR", help="directory of an HDET training run (--run-dir / --save)"
+    )
     p.add_argument("-o", "--output", default=None, help="PNG path (default RUN_DIR/report.png)")
     p.add_argument("--no-plot", action="store_true", help="text summary only")
-    p.add_argument("--smooth", type=integer(1), default=None,
-                   help="EMA span for the loss curves (default: steps/40)")
+    p.add_argument(
+        "--smooth", type=integer(1), default=None, help="EMA span for the loss curves (default: steps/40)"
+    )
 
 
 def _run_report(args: argparse.Namespace) -> int:
@@ -230,15 +293,20 @@ def _run_report(args: argparse.Namespace) -> int:
         if os.path.isdir(args.output) or not args.output.lower().endswith(".png"):
             return fail("hdet report", f"-o {args.output}: expected a PNG file path ending in .png")
         if not os.path.isdir(parent):
-            return fail("hdet report", f"-o {args.output}: directory {parent} does not exist; "
-                        "create it or write the PNG elsewhere")
+            return fail(
+                "hdet report",
+                f"-o {args.output}: directory {parent} does not exist; create it or write the PNG elsewhere",
+            )
     try:
         text, png = report(args.run_dir, args.output, make_plot=not args.no_plot, smooth=args.smooth)
     except ReportError as exc:
         return fail("hdet report", str(exc))
     except OSError as exc:  # e.g. the PNG cannot be written
-        return fail("hdet report", f"{exc.filename or args.run_dir}: {exc.strerror or exc}; "
-                    "pass -o PATH somewhere writable, or --no-plot")
+        return fail(
+            "hdet report",
+            f"{exc.filename or args.run_dir}: {exc.strerror or exc}; "
+            "pass -o PATH somewhere writable, or --no-plot",
+        )
     print(text)
     if png:
         print(f"plot: {png}")
@@ -256,9 +324,7 @@ SUBCOMMANDS: dict[str, tuple[Callable, Callable[[argparse.Namespace], int]]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``hdet`` argument parser with every registered subcommand."""
-    parser = OneLineParser(
-        prog="hdet", description="Hyperparameter-Divergent Ensemble Training (HDET) tools"
-    )
+    parser = OneLineParser(prog="hdet", description="Hyperparameter-Divergent Ensemble Training (HDET) tools")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     for add, _ in SUBCOMMANDS.values():
@@ -266,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hdet``; returns the exit code (0 = success)."""
     args = build_parser().parse_args(argv)
     _, run = SUBCOMMANDS[args.command]

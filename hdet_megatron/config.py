@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 #: Signals that evaluate the window's update line (every replica, its own unseen batch).
 LINE_SIGNALS = ("line", "average")
@@ -37,9 +38,9 @@ class Axis:
     kind: str = "linear"
     """``linear`` (the paper's evenly spaced values, mean exactly 1) or ``log`` (log-symmetric,
     geometric mean 1)."""
-    min: Optional[float] = None
+    min: float | None = None
     """Lower bound of the value an arm may use (after scale and spread); None = unbounded."""
-    max: Optional[float] = None
+    max: float | None = None
     """Upper bound of the value an arm may use; None = unbounded."""
 
     @property
@@ -48,15 +49,13 @@ class Axis:
         return self.name in ADDITIVE_AXES
 
     @property
-    def group(self) -> Optional[str]:
+    def group(self) -> str | None:
         """The param-group selector of an ``lr:<group>`` axis, else None."""
         match = _GROUP_AXIS.match(self.name)
         return match.group("group") if match else None
 
     def validate(self) -> None:
-        if not isinstance(self.name, str) or not (
-            self.name in _FIXED_AXES or _GROUP_AXIS.match(self.name)
-        ):
+        if not isinstance(self.name, str) or not (self.name in _FIXED_AXES or _GROUP_AXIS.match(self.name)):
             raise HDETConfigError(
                 f"Axis.name={self.name!r} is not a known axis; use one of "
                 f"{', '.join(_FIXED_AXES)} or 'lr:<group>'"
@@ -81,8 +80,7 @@ class Axis:
                 raise HDETConfigError(f"Axis({self.name!r}).{bound}={value!r} must be a number or None")
         if self.name == "attention_temperature" and self.min is not None and self.min <= 0:
             raise HDETConfigError(
-                f"Axis('attention_temperature').min={self.min}: a temperature <= 0 is invalid; "
-                "use min > 0"
+                f"Axis('attention_temperature').min={self.min}: a temperature <= 0 is invalid; use min > 0"
             )
         if self.name == "dropout" and (
             (self.min is not None and self.min < 0) or (self.max is not None and self.max >= 1)
@@ -96,9 +94,7 @@ class Axis:
                 f"Axis('dropout').spread={self.spread} >= 1 leaves [0, 1) for any base value"
             )
         if self.min is not None and self.max is not None and self.min > self.max:
-            raise HDETConfigError(
-                f"Axis({self.name!r}) bounds are inverted: min={self.min} > max={self.max}"
-            )
+            raise HDETConfigError(f"Axis({self.name!r}) bounds are inverted: min={self.min} > max={self.max}")
 
 
 def _default_axes() -> tuple[Axis, ...]:
@@ -116,7 +112,7 @@ class HDETConfig:
 
     period: int = 1000
     """Converge period T in optimizer steps: arms fan out for T steps, then average."""
-    arms: Optional[int] = None
+    arms: int | None = None
     """Number of arms A; None = one per data-parallel replica. Must divide the DP size."""
     grad_sync: str = "global"
     """``global``: gradients are all-reduced across all DP ranks every step (the paper);
@@ -127,7 +123,7 @@ class HDETConfig:
     """Run the auto controller (moves each axis' shared base toward the better arms)."""
     auto_start: int = 0
     """Optimizer steps before the controller may move (windows before it still fan out)."""
-    temperature: Union[float, str] = 0.1
+    temperature: float | str = 0.1
     """Softmax temperature sigma over the arms' loss advantages, or ``"auto"`` (std of the
     arms' window losses)."""
     meta_lr: float = 0.5
@@ -268,11 +264,11 @@ class HDETConfig:
                     f"off the update line); axes are {[(a.name, a.spread) for a in self.axes]}",
                 )
 
-    def axis(self, name: str) -> Optional[Axis]:
+    def axis(self, name: str) -> Axis | None:
         """The axis called ``name``, or None."""
         return next((a for a in self.axes if a.name == name), None)
 
-    def replace(self, **changes) -> "HDETConfig":
+    def replace(self, **changes) -> HDETConfig:
         return replace(self, **changes)
 
     def fingerprint(self) -> dict:
@@ -293,7 +289,7 @@ class HDETConfig:
         return out
 
     @classmethod
-    def from_fingerprint(cls, data: dict) -> "HDETConfig":
+    def from_fingerprint(cls, data: dict) -> HDETConfig:
         data = dict(data)
         data["axes"] = tuple(Axis(**a) for a in data.get("axes", []))
         if "scale_bounds" in data:
@@ -321,8 +317,12 @@ def parse_axis(text: str) -> Axis:
         raise HDETConfigError(f"--hdet-axis {text!r}: SPREAD, MIN and MAX must be numbers") from None
     if numbers[0] is None:
         raise HDETConfigError(f"--hdet-axis {text!r}: SPREAD is required")
-    axis = Axis(parts[0], numbers[0], min=numbers[1] if len(numbers) > 1 else None,
-                max=numbers[2] if len(numbers) > 2 else None)
+    axis = Axis(
+        parts[0],
+        numbers[0],
+        min=numbers[1] if len(numbers) > 1 else None,
+        max=numbers[2] if len(numbers) > 2 else None,
+    )
     axis.validate()
     return axis
 

@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 from hdet_megatron.config import LINE_SIGNALS, HDETConfig
 from hdet_megatron.line_signal import fit_quadratic
@@ -99,7 +100,7 @@ class ControllerUpdate:
 
 
 def softmax_weights(
-    losses: Sequence[float], temperature: "float | str"
+    losses: Sequence[float], temperature: float | str
 ) -> tuple[list[float], list[int], float]:
     """Softmax weights ``softmax((L_bar - L_r) / sigma)`` over the finite arms.
 
@@ -138,9 +139,7 @@ def softmax_weights(
     return weights, excluded, sigma
 
 
-def _newton_delta(
-    values: Sequence[float], losses: Sequence[float], center: float, additive: bool
-) -> float:
+def _newton_delta(values: Sequence[float], losses: Sequence[float], center: float, additive: bool) -> float:
     """``rule="newton"``'s Delta from the finite arms' ``(value, loss)`` pairs, relative to the
     centre of all arms' values (0 with fewer than 3 distinct values: no quadratic)."""
     if len(set(values)) < 3:
@@ -247,7 +246,7 @@ class AutoController:
         arm_losses: Sequence[float],
         arm_spreads: Mapping[str, Sequence[float]],
         step: int,
-        base_values: Optional[Mapping[str, float]] = None,
+        base_values: Mapping[str, float] | None = None,
     ) -> ControllerUpdate:
         """One converge: weigh the arms by their window losses and move every axis.
 
@@ -352,7 +351,7 @@ class AutoController:
                 self._scale[name] = self._clamp(self._scale[name] * factor)
             self._velocity[name] = 0.0
 
-    def _bound_shift(self, axis, shift: float, base: Optional[float]) -> float:
+    def _bound_shift(self, axis, shift: float, base: float | None) -> float:
         # Keep the centre base + shift inside the axis bounds, so the shift cannot wind up
         # (e.g. training loss always prefers less dropout) far past where arms are clipped.
         if base is None:
@@ -382,9 +381,7 @@ class AutoController:
         for name, axis in self._axes.items():
             values = [float(x) for x in arm_spreads[name]]
             if len(values) != self.num_arms:
-                raise ValueError(
-                    f"arm_spreads[{name!r}] has {len(values)} values for {self.num_arms} arms"
-                )
+                raise ValueError(f"arm_spreads[{name!r}] has {len(values)} values for {self.num_arms} arms")
             if not all(math.isfinite(x) for x in values):
                 raise ValueError(f"arm_spreads[{name!r}]={values} contains non-finite values")
             if not axis.additive and not all(x > 0 for x in values):
@@ -392,7 +389,7 @@ class AutoController:
             out[name] = values
         return out
 
-    def _check_bases(self, base_values: Optional[Mapping[str, float]], need: bool) -> dict[str, float]:
+    def _check_bases(self, base_values: Mapping[str, float] | None, need: bool) -> dict[str, float]:
         bases: dict[str, float] = {}
         for name, value in (base_values or {}).items():
             if name not in self._axes:
@@ -420,8 +417,7 @@ class AutoController:
             "window": self.window,
             "num_updates": self.num_updates,
             "axes": {
-                name: {"scale": self._scale[name], "velocity": self._velocity[name]}
-                for name in self._axes
+                name: {"scale": self._scale[name], "velocity": self._velocity[name]} for name in self._axes
             },
             "config": self.config.fingerprint(),
         }
@@ -440,8 +436,7 @@ class AutoController:
                 raise ValueError(f"controller state is missing key {key!r}")
         if state["version"] != STATE_VERSION:
             raise ValueError(
-                f"controller state version {state['version']!r} is not supported "
-                f"(expected {STATE_VERSION})"
+                f"controller state version {state['version']!r} is not supported (expected {STATE_VERSION})"
             )
         for key in ("num_arms", "window", "num_updates"):
             value = state[key]
@@ -452,8 +447,7 @@ class AutoController:
             raise ValueError(f"controller state['axes'] must be a dict, got {type(axes).__name__}")
         if set(axes) != set(self._axes):
             raise ValueError(
-                f"controller state axes {sorted(axes)} do not match the config's axes "
-                f"{sorted(self._axes)}"
+                f"controller state axes {sorted(axes)} do not match the config's axes {sorted(self._axes)}"
             )
         scales, velocities = {}, {}
         for name, axis in self._axes.items():
@@ -469,15 +463,11 @@ class AutoController:
                         f"controller state['axes'][{name!r}][{key!r}]={value!r} must be a number"
                     )
                 if not math.isfinite(value):
-                    raise ValueError(
-                        f"controller state['axes'][{name!r}][{key!r}]={value!r} is not finite"
-                    )
+                    raise ValueError(f"controller state['axes'][{name!r}][{key!r}]={value!r} is not finite")
             scale = float(entry["scale"])
             if not axis.additive:
                 if scale <= 0:
-                    raise ValueError(
-                        f"controller state['axes'][{name!r}]['scale']={scale!r} must be > 0"
-                    )
+                    raise ValueError(f"controller state['axes'][{name!r}]['scale']={scale!r} must be > 0")
                 scale = self._clamp(scale)
             scales[name] = scale
             velocities[name] = float(entry["velocity"])

@@ -32,7 +32,7 @@ def default_corpus_files() -> list[str]:
     return files
 
 
-def default_corpus_description(files: Optional[list[str]] = None) -> str:
+def default_corpus_description(files: list[str] | None = None) -> str:
     files = files or default_corpus_files()
     size = sum(os.path.getsize(f) for f in files)
     return (
@@ -50,7 +50,7 @@ def default_cache_dir() -> str:
     return os.path.join(repo, ".hdet-cache", "data")
 
 
-def default_corpus_fingerprint(files: Optional[list[str]] = None) -> str:
+def default_corpus_fingerprint(files: list[str] | None = None) -> str:
     h = hashlib.sha256(sys.version.encode())
     for f in files or default_corpus_files():
         st = os.stat(f)
@@ -58,7 +58,7 @@ def default_corpus_fingerprint(files: Optional[list[str]] = None) -> str:
     return h.hexdigest()[:12]
 
 
-def default_corpus_output_prefix(cache_dir: Optional[str] = None, fingerprint: Optional[str] = None) -> str:
+def default_corpus_output_prefix(cache_dir: str | None = None, fingerprint: str | None = None) -> str:
     """Output prefix (without ``_text_document``) of the default corpus in the cache."""
     version = "".join(sys.version.split()[0].split(".")[:2])
     fingerprint = fingerprint or default_corpus_fingerprint()
@@ -70,7 +70,7 @@ def sidecar_path(prefix: str) -> str:
     return prefix + ".json"
 
 
-def read_sidecar(prefix: str) -> Optional[dict]:
+def read_sidecar(prefix: str) -> dict | None:
     path = sidecar_path(prefix)
     if not os.path.isfile(path):
         return None
@@ -78,12 +78,16 @@ def read_sidecar(prefix: str) -> Optional[dict]:
         return json.load(fh)
 
 
-def cached_default_corpus(cache_dir: Optional[str] = None) -> Optional[dict]:
+def cached_default_corpus(cache_dir: str | None = None) -> dict | None:
     """Metadata of the prepared default corpus if it is in the cache and current, else None."""
     fingerprint = default_corpus_fingerprint()
     prefix = default_corpus_output_prefix(cache_dir, fingerprint) + DOCUMENT_SUFFIX
     meta = read_sidecar(prefix)
-    if (meta and meta.get("fingerprint") == fingerprint
-            and os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
+    if (
+        meta
+        and meta.get("fingerprint") == fingerprint
+        and os.path.isfile(prefix + ".bin")
+        and os.path.isfile(prefix + ".idx")
+    ):
         return meta
     return None

@@ -43,8 +43,9 @@ import copy
 import dataclasses
 import os
 import pickle
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -145,7 +146,7 @@ class HSDPArms:
     """Replicas of this arm at this shard position (only with ``R/A > 1`` and ``grad_sync="arm"``)."""
 
     @classmethod
-    def from_mesh(cls, mesh, arms: Optional[int] = None, *, arm_groups: bool = False) -> "HSDPArms":
+    def from_mesh(cls, mesh, arms: int | None = None, *, arm_groups: bool = False) -> HSDPArms:
         """Arms of ``mesh``. Collective over the default group when ``arm_groups`` and R/A > 1
         (it creates the intra-arm replicate groups)."""
         from torch.distributed.device_mesh import DeviceMesh
@@ -233,7 +234,7 @@ def _check_dtensor(t, arms: HSDPArms, what: str) -> None:
 
 
 @torch.no_grad()
-def local_shards(tensors: Iterable[torch.Tensor], arms: Optional[HSDPArms] = None) -> list[torch.Tensor]:
+def local_shards(tensors: Iterable[torch.Tensor], arms: HSDPArms | None = None) -> list[torch.Tensor]:
     """This rank's local shard of every DTensor (a view sharing its storage; plain tensors are
     taken as they are), deduplicated. With ``arms``, DTensors are checked to be HSDP on its mesh."""
     DTensor = _dtensor_cls()
@@ -291,7 +292,7 @@ class FSDP2Homer(Homer):
             else:
                 self.tensors.append(t.to_local() if isinstance(t, DTensor) else t)
 
-    def reason(self, tensor: torch.Tensor) -> Optional[str]:
+    def reason(self, tensor: torch.Tensor) -> str | None:
         if id(tensor) not in self._by_data:
             return "it is not the padded local shard of an FSDP2 parameter (FSDPParam)"
         if tensor.dtype not in (torch.float32, torch.float64):
@@ -422,12 +423,12 @@ class FSDPRuntime(_Runtime):
         self._optimizer_ref = optimizer
         self._model_ref = model
         self._mesh_arg = device_mesh
-        self.grad_sync: Optional[FSDP2GradSync] = None
+        self.grad_sync: FSDP2GradSync | None = None
         super().__init__(config, optimizer, model, process_group)
         self.grad_sync = FSDP2GradSync(model, self.arms, config.grad_sync)
         self.grad_sync.install()
         # Set by save_checkpoint when it converged at (last_epoch, num_converges).
-        self.saved_converge: Optional[tuple[int, int]] = None
+        self.saved_converge: tuple[int, int] | None = None
 
     def _init_topology(self, process_group) -> None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -459,7 +460,7 @@ class FSDPRuntime(_Runtime):
         # their original dtype, so with MixedPrecisionPolicy they are the fp32 masters).
         self.params = local_shards(self.dtensors, self.arms)
         self.device = self.params[0].device if self.params else torch.device("cpu")
-        self.averager: Optional[BucketedAverager] = None
+        self.averager: BucketedAverager | None = None
         if self.arms.num_replicas > 1:
             # Averaged: FSDP2's padded local shards; homed into the averager's buckets unless
             # config.home_main_params is off (FSDP2Homer).
@@ -480,7 +481,7 @@ class FSDPRuntime(_Runtime):
 # --------------------------------------------------------------------------------------------
 # Checkpoints (torch.distributed.checkpoint)
 # --------------------------------------------------------------------------------------------
-def _fsdp_runtime(scheduler) -> Optional[FSDPRuntime]:
+def _fsdp_runtime(scheduler) -> FSDPRuntime | None:
     rt = getattr(scheduler, "_hdet", None)
     if rt is None:
         return None
@@ -549,7 +550,7 @@ def _copy_back(original: Any, view: Any) -> None:
             dst.copy_(src)
 
 
-def _layout(rt: Optional[FSDPRuntime], scheduler, converge: bool) -> dict:
+def _layout(rt: FSDPRuntime | None, scheduler, converge: bool) -> dict:
     if rt is None:
         return {"version": 1, "num_arms": 1, "per_arm_params": False, "per_arm_optim": False}
     mid_window = scheduler.last_epoch % rt.config.period != 0
@@ -567,7 +568,7 @@ def _layout(rt: Optional[FSDPRuntime], scheduler, converge: bool) -> dict:
     }
 
 
-def _rank_table(rt: Optional[FSDPRuntime]) -> torch.Tensor:
+def _rank_table(rt: FSDPRuntime | None) -> torch.Tensor:
     """(world, 2) float64: every rank's window-loss sum and count (per-rank values)."""
     world = dist.get_world_size()
     table = torch.zeros(world, 2, dtype=torch.float64)
@@ -606,8 +607,8 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler,
     *,
-    extra: Optional[dict] = None,
-    converge: Optional[bool] = None,
+    extra: dict | None = None,
+    converge: bool | None = None,
 ) -> dict:
     """Save an FSDP2 (+ HDET) run with ``torch.distributed.checkpoint``. Collective.
 
@@ -649,7 +650,7 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler,
     *,
-    extra: Optional[dict] = None,
+    extra: dict | None = None,
 ) -> dict:
     """Load :func:`save_checkpoint` output into a freshly built model/optimizer/scheduler (same
     mesh and HDET config). Collective. ``extra``: a template dict (DCP loads in place).
@@ -688,4 +689,3 @@ def load_checkpoint(
     if extra is not None and "extra" in state:
         extra.update(state["extra"])
     return layout
-

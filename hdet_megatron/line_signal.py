@@ -38,8 +38,8 @@ this on a noisy quadratic with an LR schedule, where the uncorrected comparison 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 __all__ = ["LineFit", "line_points", "fit_line", "fit_quadratic", "persistence"]
 
@@ -96,8 +96,8 @@ def fit_quadratic(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, floa
     u = [x - mean for x in xs]
     s1 = math.fsum(u)
     s2 = math.fsum(v * v for v in u)
-    s3 = math.fsum(v ** 3 for v in u)
-    s4 = math.fsum(v ** 4 for v in u)
+    s3 = math.fsum(v**3 for v in u)
+    s4 = math.fsum(v**4 for v in u)
     t0 = math.fsum(ys)
     t1 = math.fsum(v * y for v, y in zip(u, ys))
     t2 = math.fsum(v * v * y for v, y in zip(u, ys))
@@ -105,9 +105,11 @@ def fit_quadratic(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, floa
     rhs = [t0, t1, t2]
 
     def det(a):
-        return (a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1])
-                - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
-                + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]))
+        return (
+            a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1])
+            - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
+            + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0])
+        )
 
     d = det(m)
     if d == 0 or not math.isfinite(d):

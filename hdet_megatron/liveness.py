@@ -28,8 +28,9 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 #: Exit status of a rank that stopped because a node was lost.
 EXIT_NODE_LOST = 75
@@ -48,7 +49,7 @@ class Peer:
     pid: int
 
 
-def advertised_addr(master_addr: Optional[str] = None) -> str:
+def advertised_addr(master_addr: str | None = None) -> str:
     """The local address on the route to ``MASTER_ADDR`` (no packet is sent: a UDP ``connect``
     only picks the route); loopback when the master is this host or no master is set."""
     master = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
@@ -90,24 +91,30 @@ class Liveness:
     """See the module docstring. ``prog`` prefixes the line; ``status()`` adds where training was
     (e.g. ``"at iteration 6"``); ``exit`` ends the process (tests replace it)."""
 
-    def __init__(self, timeout: float, *, prog: str = "hdet", interval: Optional[float] = None,
-                 status: Callable[[], str] = lambda: "",
-                 exit: Callable[[int], None] = os._exit) -> None:
+    def __init__(
+        self,
+        timeout: float,
+        *,
+        prog: str = "hdet",
+        interval: float | None = None,
+        status: Callable[[], str] = lambda: "",
+        exit: Callable[[int], None] = os._exit,
+    ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout={timeout} must be > 0")
         self.timeout = float(timeout)
         self.interval = float(interval) if interval else min(5.0, max(0.2, self.timeout / 10))
         self.prog, self.status, self._exit = prog, status, exit
         self.peers: list[Peer] = []
-        self.me: Optional[Peer] = None
+        self.me: Peer | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._reported = False
-        self._server: Optional[socket.socket] = None
+        self._server: socket.socket | None = None
         self._threads: list[threading.Thread] = []
 
     # -- setup ---------------------------------------------------------------------------------
-    def listen(self, rank: int, node: int, name: str, addr: Optional[str] = None) -> Peer:
+    def listen(self, rank: int, node: int, name: str, addr: str | None = None) -> Peer:
         """Open this rank's port and start answering; returns this rank's :class:`Peer`."""
         addr = addr or advertised_addr()
         server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -148,7 +155,7 @@ class Liveness:
         while not self._stop.is_set():
             try:
                 conn, _ = server.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -189,12 +196,18 @@ class Liveness:
             parts.append(f"node {p.name} (host {p.host}, ranks {_ranks(ranks)}): {why}")
         status = self.status()
         me = self.me
-        left = (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-                - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
-        then = ("torchrun restarts the workers, which resume from the last checkpoint" if left > 0
-                else "Relaunch every node to resume from the last checkpoint")
-        return (f"{self.prog}: error: lost {'; '.join(parts)}{' ' + status if status else ''}; "
-                f"node {me.name if me else '?'} stops ({how}). {then}")
+        left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) - int(
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0
+        )
+        then = (
+            "torchrun restarts the workers, which resume from the last checkpoint"
+            if left > 0
+            else "Relaunch every node to resume from the last checkpoint"
+        )
+        return (
+            f"{self.prog}: error: lost {'; '.join(parts)}{' ' + status if status else ''}; "
+            f"node {me.name if me else '?'} stops ({how}). {then}"
+        )
 
     def _lost(self, lost: list[tuple[Peer, str]], how: str) -> None:
         with self._lock:
@@ -219,8 +232,9 @@ class Liveness:
                 time.sleep(0.2)
                 state = probe(p.addr, p.port, timeout=0.5)
             if state != "ok":
-                lost.append((p, "its processes are gone (connection refused)" if state == "gone"
-                             else "not answering"))
+                lost.append(
+                    (p, "its processes are gone (connection refused)" if state == "gone" else "not answering")
+                )
         if not lost:
             return False
         head = min(p.rank for p in self.peers if p.node == self.me.node)
@@ -243,7 +257,7 @@ class Liveness:
                 pass
 
 
-def start_liveness(timeout: float, *, prog: str, status: Callable[[], str] = lambda: "") -> Optional[Liveness]:
+def start_liveness(timeout: float, *, prog: str, status: Callable[[], str] = lambda: "") -> Liveness | None:
     """For a torchrun world spread over more than one node: exchange the ports (a collective on
     the default group) and start; ``None`` on one node or with ``timeout <= 0``."""
     import torch.distributed as dist

@@ -138,7 +138,7 @@ def read_metrics(run_dir_or_file: str) -> list[dict]:
     return records
 
 
-def as_float(value: Any) -> Optional[float]:
+def as_float(value: Any) -> float | None:
     """A record value as float (``"nan"``/``"inf"`` strings included), or None."""
     if value is None or isinstance(value, bool):
         return None

@@ -22,11 +22,19 @@ import math
 import os
 import sys
 import zipfile
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Optional
 
 __all__ = [
-    "InputError", "OneLineParser", "integer", "number", "merge_defaults", "check_checkpoint",
-    "check_run_dir", "fresh_run_dir", "fail",
+    "InputError",
+    "OneLineParser",
+    "integer",
+    "number",
+    "merge_defaults",
+    "check_checkpoint",
+    "check_run_dir",
+    "fresh_run_dir",
+    "fail",
 ]
 
 #: Exit code of every usage / bad-input error (argparse's).
@@ -50,7 +58,7 @@ def fail(prog: str, message: str, stream=None) -> int:
 # --- argparse types -----------------------------------------------------------------------------
 
 
-def integer(minimum: Optional[int] = None, maximum: Optional[int] = None) -> Callable[[str], int]:
+def integer(minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:
     """``type=`` for an integer flag in ``[minimum, maximum]``; errors say the range."""
     want = _range_text("an integer", minimum, maximum)
 
@@ -67,8 +75,13 @@ def integer(minimum: Optional[int] = None, maximum: Optional[int] = None) -> Cal
     return convert
 
 
-def number(minimum: Optional[float] = None, maximum: Optional[float] = None, *,
-           above: Optional[float] = None, below: Optional[float] = None) -> Callable[[str], float]:
+def number(
+    minimum: float | None = None,
+    maximum: float | None = None,
+    *,
+    above: float | None = None,
+    below: float | None = None,
+) -> Callable[[str], float]:
     """``type=`` for a finite float flag; ``minimum``/``maximum`` inclusive, ``above``/``below``
     exclusive bounds. Errors say the range; ``nan`` and ``inf`` are refused."""
     parts = []
@@ -87,9 +100,13 @@ def number(minimum: Optional[float] = None, maximum: Optional[float] = None, *,
             value = float(text)
         except (TypeError, ValueError):
             raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
-        bad = (not math.isfinite(value)
-               or (minimum is not None and value < minimum) or (maximum is not None and value > maximum)
-               or (above is not None and value <= above) or (below is not None and value >= below))
+        bad = (
+            not math.isfinite(value)
+            or (minimum is not None and value < minimum)
+            or (maximum is not None and value > maximum)
+            or (above is not None and value <= above)
+            or (below is not None and value >= below)
+        )
         if bad:
             raise argparse.ArgumentTypeError(f"expected {want}, got {text}")
         return value
@@ -123,8 +140,14 @@ class OneLineParser(argparse.ArgumentParser):
 REPLACES: dict[str, tuple[str, ...]] = {
     "--hdet-axis": ("--hdet-spread",),
     "--hdet-spread": ("--hdet-axis",),
-    "--mock-data": ("--data-path", "--split", "--tokenizer-type", "--vocab-file", "--merge-file",
-                    "--tokenizer-model"),
+    "--mock-data": (
+        "--data-path",
+        "--split",
+        "--tokenizer-type",
+        "--vocab-file",
+        "--merge-file",
+        "--tokenizer-model",
+    ),
     "--data-path": ("--mock-data", "--vocab-size"),
     "--lr-warmup-fraction": ("--lr-warmup-iters",),
     "--lr-warmup-iters": ("--lr-warmup-fraction",),
@@ -134,7 +157,7 @@ REPLACES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _flag(token: str) -> Optional[str]:
+def _flag(token: str) -> str | None:
     return token.split("=", 1)[0] if token.startswith("--") and len(token) > 2 else None
 
 
@@ -174,26 +197,32 @@ def _iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def check_checkpoint(load: str, ckpt_step: Optional[int] = None, flag: str = "--load") -> Optional[str]:
+def check_checkpoint(load: str, ckpt_step: int | None = None, flag: str = "--load") -> str | None:
     """Check that ``load`` holds a readable Megatron checkpoint (torch_dist or legacy) before any
     rank tries to load it. Returns the checkpoint directory, or None when ``load`` holds no
     checkpoint yet (a fresh run). Raises :class:`InputError` naming the file and the fix."""
     if not os.path.exists(load):
         if ckpt_step is not None:
-            raise InputError(f"{flag} {load}: no such directory (needed by --ckpt-step {ckpt_step}); "
-                             "give the --save directory of an earlier run")
+            raise InputError(
+                f"{flag} {load}: no such directory (needed by --ckpt-step {ckpt_step}); "
+                "give the --save directory of an earlier run"
+            )
         return None
     if not os.path.isdir(load):
-        raise InputError(f"{flag} {load} is a file, not a checkpoint directory: give the --save "
-                         "directory of an earlier run")
+        raise InputError(
+            f"{flag} {load} is a file, not a checkpoint directory: give the --save "
+            "directory of an earlier run"
+        )
     if not os.access(load, os.R_OK | os.X_OK):
         raise InputError(f"{flag} {load}: permission denied; make it readable or use another directory")
     if ckpt_step is None:
         tracker = os.path.join(load, TRACKER)
         if not os.path.exists(tracker):
             if any(name.startswith("iter_") for name in os.listdir(load)):
-                raise InputError(f"{flag} {load} has iter_* directories but no {TRACKER} (an "
-                                 "interrupted save?): pass --ckpt-step N to pick one")
+                raise InputError(
+                    f"{flag} {load} has iter_* directories but no {TRACKER} (an "
+                    "interrupted save?): pass --ckpt-step N to pick one"
+                )
             return None
         try:
             with open(tracker, "rb") as fh:
@@ -203,12 +232,16 @@ def check_checkpoint(load: str, ckpt_step: Optional[int] = None, flag: str = "--
         try:
             iteration = int(text)
         except ValueError:
-            raise InputError(f"{tracker}: expected an iteration number, found {text[:40]!r}; "
-                             "write the number of the last complete iter_* directory into it, or "
-                             "pass --ckpt-step N") from None
+            raise InputError(
+                f"{tracker}: expected an iteration number, found {text[:40]!r}; "
+                "write the number of the last complete iter_* directory into it, or "
+                "pass --ckpt-step N"
+            ) from None
         if iteration < 0:
-            raise InputError(f"{tracker}: iteration {iteration} is negative; write the number of "
-                             "the last complete iter_* directory into it, or pass --ckpt-step N")
+            raise InputError(
+                f"{tracker}: iteration {iteration} is negative; write the number of "
+                "the last complete iter_* directory into it, or pass --ckpt-step N"
+            )
         source = f"{tracker} points to"
     else:
         iteration = ckpt_step
@@ -216,9 +249,14 @@ def check_checkpoint(load: str, ckpt_step: Optional[int] = None, flag: str = "--
     ckpt_dir = _iteration_dir(load, iteration)
     if not os.path.isdir(ckpt_dir):
         have = sorted(n for n in os.listdir(load) if n.startswith("iter_"))
-        raise InputError(f"{source} {ckpt_dir}, which does not exist; "
-                         + (f"present: {', '.join(have[-3:])}: pass --ckpt-step N" if have
-                            else "give the --save directory of an earlier run"))
+        raise InputError(
+            f"{source} {ckpt_dir}, which does not exist; "
+            + (
+                f"present: {', '.join(have[-3:])}: pass --ckpt-step N"
+                if have
+                else "give the --save directory of an earlier run"
+            )
+        )
     _check_checkpoint_files(ckpt_dir)
     return ckpt_dir
 
@@ -245,8 +283,10 @@ def _check_checkpoint_files(ckpt_dir: str) -> None:
         for rank in ranks:
             _check_torch_file(os.path.join(ckpt_dir, rank, "model_optim_rng.pt"), zipped=True)
         return
-    raise InputError(f"{ckpt_dir} holds neither a torch_dist (metadata.json) nor a legacy "
-                     f"(mp_rank_*/) checkpoint (an interrupted save?); {fix}")
+    raise InputError(
+        f"{ckpt_dir} holds neither a torch_dist (metadata.json) nor a legacy "
+        f"(mp_rank_*/) checkpoint (an interrupted save?); {fix}"
+    )
 
 
 def _check_torch_file(path: str, zipped: bool = False, pickled: bool = False) -> None:
@@ -268,12 +308,20 @@ def _check_torch_file(path: str, zipped: bool = False, pickled: bool = False) ->
 
 #: Flags that fix the model's shape: a run directory whose last run had other values belongs to
 #: another job (its checkpoint cannot be loaded into this model, its metrics would be mixed).
-MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-               "max_position_embeddings", "position_embedding_type", "swiglu",
-               "untie_embeddings_and_output_weights", "disable_bias_linear")
+MODEL_FLAGS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "max_position_embeddings",
+    "position_embedding_type",
+    "swiglu",
+    "untie_embeddings_and_output_weights",
+    "disable_bias_linear",
+)
 
 
-def last_run_record(run_dir: str) -> Optional[dict]:
+def last_run_record(run_dir: str) -> dict | None:
     """The last ``{"type": "run"}`` record of ``RUN_DIR/metrics.jsonl`` (None when there is none)."""
     path = os.path.join(run_dir, METRICS_FILE)
     if not os.path.isfile(path):
@@ -291,8 +339,9 @@ def last_run_record(run_dir: str) -> Optional[dict]:
                 if isinstance(record, dict) and record.get("type") == "run":
                     last = record
     except OSError as exc:
-        raise InputError(f"{path}: cannot read ({exc.strerror}); fix its permissions or use "
-                         "another --run-dir") from None
+        raise InputError(
+            f"{path}: cannot read ({exc.strerror}); fix its permissions or use another --run-dir"
+        ) from None
     return last
 
 
@@ -309,8 +358,9 @@ def fresh_run_dir(fresh: bool = True):
         _FRESH[0] = saved
 
 
-def check_run_dir(run_dir: str, args: Any, flag: str = "--run-dir",
-                  model_flags: Iterable[str] = MODEL_FLAGS) -> None:
+def check_run_dir(
+    run_dir: str, args: Any, flag: str = "--run-dir", model_flags: Iterable[str] = MODEL_FLAGS
+) -> None:
     """Refuse a run (or checkpoint) directory written by another job: its last run record has
     other model flags than ``args``. Raises :class:`InputError` naming the flags and the fix."""
     if _FRESH[0]:
@@ -323,8 +373,11 @@ def check_run_dir(run_dir: str, args: Any, flag: str = "--run-dir",
     old = (record or {}).get("args")
     if not isinstance(old, Mapping):
         return
-    diff = [(name, old[name], getattr(args, name)) for name in model_flags
-            if name in old and hasattr(args, name) and old[name] != getattr(args, name)]
+    diff = [
+        (name, old[name], getattr(args, name))
+        for name in model_flags
+        if name in old and hasattr(args, name) and old[name] != getattr(args, name)
+    ]
     if diff:
         what = ", ".join(f"--{n.replace('_', '-')} {a} there, {b} here" for n, a, b in diff[:3])
         raise InputError(

@@ -50,7 +50,7 @@ class Run:
         return int(self.info.get("arms") or 1)
 
     @property
-    def hdet(self) -> Optional[dict]:
+    def hdet(self) -> dict | None:
         return self.info.get("hdet")
 
 
@@ -59,7 +59,7 @@ def _dedupe(records: list[dict], key=lambda r: r.get("iteration")) -> list[dict]
     out: dict = {}
     for r in records:
         out[key(r)] = r
-    return sorted(out.values(), key=lambda r: (r.get("iteration") or 0))
+    return sorted(out.values(), key=lambda r: r.get("iteration") or 0)
 
 
 def load_run(run_dir: str) -> Run:
@@ -116,8 +116,10 @@ def summary(run: Run) -> str:
         )
     if hdet:
         axes = ", ".join(f"{a['name']}:{a['spread']:.3g}" for a in hdet.get("axes", []))
-        lines.append(f"HDET {run.num_arms} arms, period {hdet.get('period')}, axes {axes}, "
-                     f"grad_sync {hdet.get('grad_sync')}, auto {hdet.get('auto')}")
+        lines.append(
+            f"HDET {run.num_arms} arms, period {hdet.get('period')}, axes {axes}, "
+            f"grad_sync {hdet.get('grad_sync')}, auto {hdet.get('auto')}"
+        )
     else:
         lines.append("HDET off (plain Megatron)")
     first, last = run.steps[0], run.steps[-1]
@@ -144,33 +146,43 @@ def summary(run: Run) -> str:
         if scales:
             start = as_float(run.steps[0].get("scale"))
             start = 1.0 if start is None else start
-            lines.append(f"controller lr scale {start:.4f} -> {scales[-1]:.4f} (range {min(scales):.4f}..{max(scales):.4f})")
+            lines.append(
+                f"controller lr scale {start:.4f} -> {scales[-1]:.4f} (range {min(scales):.4f}..{max(scales):.4f})"
+            )
         train_s = sum(as_float(f.get("train_seconds")) or 0.0 for f in run.finals)
         share = f", {100 * conv_s / train_s:.2f}% of train time" if train_s > 0 else ""
-        lines.append(f"{len(run.windows)} converges: {conv_s:.3f} s total{share}, "
-                     f"{conv_b / 1e6:.2f} MB all-reduced per rank each")
+        lines.append(
+            f"{len(run.windows)} converges: {conv_s:.3f} s total{share}, "
+            f"{conv_b / 1e6:.2f} MB all-reduced per rank each"
+        )
         per_step = _mean(w.get("converge_bytes_per_step") for w in run.windows)
         grad = _mean(w.get("grad_bytes_per_step") for w in run.windows)
         if per_step is not None and math.isfinite(per_step):
             traffic = f"converge traffic {per_step / 1e6:.3f} MB per rank per step"
             if grad is not None and math.isfinite(grad) and grad > 0:
-                traffic += (f", DP gradient sync {grad / 1e6:.2f} MB per rank per step "
-                            f"(converge = {100 * per_step / grad:.2f}% of it)")
+                traffic += (
+                    f", DP gradient sync {grad / 1e6:.2f} MB per rank per step "
+                    f"(converge = {100 * per_step / grad:.2f}% of it)"
+                )
             lines.append(traffic)
         wins = _lr_wins(run)
         if wins:
-            lines.append(f"lowest window loss: higher-LR arm {wins[0]}x, lower-LR arm {wins[1]}x, "
-                         f"of {wins[2]} windows with a spread")
+            lines.append(
+                f"lowest window loss: higher-LR arm {wins[0]}x, lower-LR arm {wins[1]}x, "
+                f"of {wins[2]} windows with a spread"
+            )
     if run.finals:
         f = run.finals[-1]
-        lines.append(f"throughput {as_float(f.get('tokens_per_s')) or 0:,.0f} tokens/s, "
-                     f"wall {as_float(f.get('wall_seconds')) or 0:.0f} s (last launch)")
+        lines.append(
+            f"throughput {as_float(f.get('tokens_per_s')) or 0:,.0f} tokens/s, "
+            f"wall {as_float(f.get('wall_seconds')) or 0:.0f} s (last launch)"
+        )
     if run.checkpoints:
         lines.append(f"checkpoint {run.checkpoints[-1].get('path')}")
     return "\n".join(lines)
 
 
-def _lr_wins(run: Run) -> Optional[tuple[int, int, int]]:
+def _lr_wins(run: Run) -> tuple[int, int, int] | None:
     higher = lower = total = 0
     for w in run.windows:
         mult = (w.get("arm_values") or {}).get("lr")
@@ -205,14 +217,16 @@ def _ema(values: list[float], span: int) -> list[float]:
     return out
 
 
-def plot(run: Run, output: str, smooth: Optional[int] = None) -> str:
+def plot(run: Run, output: str, smooth: int | None = None) -> str:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ReportError("the PNG needs matplotlib: pip install matplotlib (or pip install -e '.[dev]')") from None
+        raise ReportError(
+            "the PNG needs matplotlib: pip install matplotlib (or pip install -e '.[dev]')"
+        ) from None
 
     steps = run.steps
     its = [s["iteration"] for s in steps]
@@ -223,8 +237,10 @@ def plot(run: Run, output: str, smooth: Optional[int] = None) -> str:
     info = run.info
     title = f"HDET GPT pretraining: {os.path.basename(os.path.abspath(run.run_dir))}"
     if info:
-        title += (f"  |  {info.get('num_params', 0) / 1e6:.2f}M params, TP{info.get('tp')} PP{info.get('pp')} "
-                  f"DP{info.get('dp')}, {arms} arm{'s' if arms > 1 else ''}")
+        title += (
+            f"  |  {info.get('num_params', 0) / 1e6:.2f}M params, TP{info.get('tp')} PP{info.get('pp')} "
+            f"DP{info.get('dp')}, {arms} arm{'s' if arms > 1 else ''}"
+        )
         if run.hdet:
             title += f", T={run.hdet.get('period')}"
     fig.suptitle(title, fontsize=12)
@@ -234,10 +250,21 @@ def plot(run: Run, output: str, smooth: Optional[int] = None) -> str:
     if steps[0].get("arm_losses"):
         for a in range(arms):
             vals = [as_float((s.get("arm_losses") or [None] * arms)[a]) for s in steps]
-            ax.plot(its, _ema([v if v is not None else float("nan") for v in vals], span),
-                    color=colors[a], lw=1.0, alpha=0.85, label=f"arm {a}")
-    ax.plot(its, _ema([as_float(s.get("loss")) for s in steps], span), color="black", lw=1.6,
-            label="mean over replicas")
+            ax.plot(
+                its,
+                _ema([v if v is not None else float("nan") for v in vals], span),
+                color=colors[a],
+                lw=1.0,
+                alpha=0.85,
+                label=f"arm {a}",
+            )
+    ax.plot(
+        its,
+        _ema([as_float(s.get("loss")) for s in steps], span),
+        color="black",
+        lw=1.6,
+        label="mean over replicas",
+    )
     for w in run.windows:
         for a, v in enumerate(w.get("arm_losses") or []):
             v = as_float(v)
@@ -277,22 +304,35 @@ def plot(run: Run, output: str, smooth: Optional[int] = None) -> str:
         h2, l2 = ax2.get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2
     # Below the axes: the scale line can be anywhere inside.
-    ax.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4,
-              frameon=False)
+    ax.legend(
+        handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4, frameon=False
+    )
 
     # 3. validation
     ax = axs[1, 0]
     if run.valid:
         vit = [r["iteration"] for r in run.valid]
-        ax.plot(vit, [as_float(r["loss"]) for r in run.valid], color="black", lw=1.4, marker="s", ms=5,
-                label="validation (mean over replicas)")
+        ax.plot(
+            vit,
+            [as_float(r["loss"]) for r in run.valid],
+            color="black",
+            lw=1.4,
+            marker="s",
+            ms=5,
+            label="validation (mean over replicas)",
+        )
         for r in run.valid:
             if not r.get("converged") and r.get("arm_losses"):
                 for a, v in enumerate(r["arm_losses"]):
                     ax.plot(r["iteration"], as_float(v), "o", mfc="none", color=colors[a % len(colors)], ms=6)
         last = run.valid[-1]
-        ax.annotate(f"{as_float(last['loss']):.3f}", (last["iteration"], as_float(last["loss"])),
-                    textcoords="offset points", xytext=(-10, 8), fontsize=9)
+        ax.annotate(
+            f"{as_float(last['loss']):.3f}",
+            (last["iteration"], as_float(last["loss"])),
+            textcoords="offset points",
+            xytext=(-10, 8),
+            fontsize=9,
+        )
     if run.test:
         t = run.test[-1]
         ax.plot(t["iteration"], as_float(t["loss"]), "*", color="tab:orange", ms=12, label="test")
@@ -303,8 +343,14 @@ def plot(run: Run, output: str, smooth: Optional[int] = None) -> str:
     if run.valid or run.test:
         ax.legend(fontsize=8, loc="upper right")
     else:
-        ax.text(0.5, 0.5, "no validation recorded (--eval-iters 0)", ha="center", va="center",
-                transform=ax.transAxes)
+        ax.text(
+            0.5,
+            0.5,
+            "no validation recorded (--eval-iters 0)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
 
     # 4. per-window arm advantage
     ax = axs[1, 1]
@@ -335,8 +381,9 @@ def plot(run: Run, output: str, smooth: Optional[int] = None) -> str:
     ax.set_ylabel("loss difference")
     ax.grid(alpha=0.3)
     if not plotted:
-        ax.text(0.5, 0.5, "no HDET windows (plain Megatron run)", ha="center", va="center",
-                transform=ax.transAxes)
+        ax.text(
+            0.5, 0.5, "no HDET windows (plain Megatron run)", ha="center", va="center", transform=ax.transAxes
+        )
 
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
@@ -355,8 +402,9 @@ def _clip_loss_axis(ax, losses: list) -> None:
     ax.set_ylim(lo - 0.05 * (top - lo), top + 0.05 * (top - lo))
 
 
-def report(run_dir: str, output: Optional[str] = None, make_plot: bool = True,
-           smooth: Optional[int] = None) -> tuple[str, Optional[str]]:
+def report(
+    run_dir: str, output: str | None = None, make_plot: bool = True, smooth: int | None = None
+) -> tuple[str, str | None]:
     """Summary text and PNG path (``RUN_DIR/report.png`` unless ``output``)."""
     run = load_run(run_dir)
     text = summary(run)

@@ -16,7 +16,8 @@ Two layers:
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping, Sequence, Union
+from collections.abc import Callable, Mapping, Sequence
+from typing import Union
 
 __all__ = [
     "ANNEAL_STRATEGIES",
@@ -126,7 +127,7 @@ def onecycle_value(
     phases: Sequence[Mapping],
     step: int,
     kind: str = "lr",
-    anneal: Union[str, Callable[[float, float, float], float]] = "cos",
+    anneal: str | Callable[[float, float, float], float] = "cos",
 ) -> float:
     """The ``kind`` (``"lr"`` or ``"momentum"``) value at ``step`` for one group's ``values``
 
@@ -161,15 +162,15 @@ class OneCycleSchedule:
 
     def __init__(
         self,
-        max_lr: Union[Number, Sequence[Number]],
+        max_lr: Number | Sequence[Number],
         total_steps: int,
         pct_start: float = 0.3,
         anneal_strategy: str = "cos",
         div_factor: float = 25.0,
         final_div_factor: float = 1e4,
         three_phase: bool = False,
-        base_momentum: Union[Number, Sequence[Number]] = 0.85,
-        max_momentum: Union[Number, Sequence[Number]] = 0.95,
+        base_momentum: Number | Sequence[Number] = 0.85,
+        max_momentum: Number | Sequence[Number] = 0.95,
         num_groups: int | None = None,
     ) -> None:
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0:

@@ -45,8 +45,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -55,8 +56,17 @@ from hdet_megatron.controller import AllArmsNonFinite, AutoController, Controlle
 from hdet_megatron.spread import arm_spread
 
 __all__ = [
-    "NQMProblem", "SimResult", "simulate", "steady_state_loss", "best_lr", "sweep_lr",
-    "BudgetNQM", "BudgetResult", "simulate_budget", "budget_expected_loss", "budget_best_peak_lr",
+    "NQMProblem",
+    "SimResult",
+    "simulate",
+    "steady_state_loss",
+    "best_lr",
+    "sweep_lr",
+    "BudgetNQM",
+    "BudgetResult",
+    "simulate_budget",
+    "budget_expected_loss",
+    "budget_best_peak_lr",
 ]
 
 
@@ -80,9 +90,7 @@ class NQMProblem:
         if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 1:
             raise ValueError(f"NQMProblem.dim={self.dim!r} must be an integer >= 1")
         if not 0 < self.h_min <= self.h_max:
-            raise ValueError(
-                f"NQMProblem curvatures need 0 < h_min <= h_max, got {self.h_min}, {self.h_max}"
-            )
+            raise ValueError(f"NQMProblem curvatures need 0 < h_min <= h_max, got {self.h_min}, {self.h_max}")
         for name in ("noise", "drift", "init_scale"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
@@ -111,7 +119,7 @@ def steady_state_loss(problem: NQMProblem, lr: float, replicas: int = 1) -> floa
     return total
 
 
-def best_lr(problem: Optional[NQMProblem] = None, replicas: int = 8) -> float:
+def best_lr(problem: NQMProblem | None = None, replicas: int = 8) -> float:
     """The LR minimising :func:`steady_state_loss` (known by construction; golden-section
     search on ``log lr`` over the stable range, the function being unimodal there)."""
     problem = problem or NQMProblem()
@@ -163,7 +171,7 @@ class SimResult:
     @property
     def final_loss(self) -> float:
         """Mean converged-model loss over the last 10% of the windows (at least one)."""
-        tail = self.converged_losses[-max(1, len(self.converged_losses) // 10):]
+        tail = self.converged_losses[-max(1, len(self.converged_losses) // 10) :]
         return float(np.mean(tail))
 
 
@@ -190,7 +198,7 @@ def simulate(
     replicas_per_arm: int = 1,
     dim: int = 16,
     seed: int = 0,
-    problem: Optional[NQMProblem] = None,
+    problem: NQMProblem | None = None,
     keep_updates: bool = False,
 ) -> SimResult:
     """Run HDET on the tracking NQM for ``steps`` steps (rounded down to whole windows).
@@ -282,7 +290,7 @@ def sweep_lr(
     steps: int = 20000,
     burn_in: int = 5000,
     seed: int = 0,
-    problem: Optional[NQMProblem] = None,
+    problem: NQMProblem | None = None,
 ) -> list[float]:
     """Mean loss of plain data-parallel SGD (``replicas`` replicas, gradients averaged over
     all of them, constant LR) at each LR, averaged over steps ``burn_in..steps`` of this
@@ -297,7 +305,9 @@ def sweep_lr(
     lr = np.asarray(lrs, dtype=float)[:, None]
     noise_std = np.sqrt(problem.noise * h)
     drift_std = math.sqrt(problem.drift)
-    error = np.broadcast_to(rng.normal(0.0, problem.init_scale, size=problem.dim), (len(lr), problem.dim)).copy()
+    error = np.broadcast_to(
+        rng.normal(0.0, problem.init_scale, size=problem.dim), (len(lr), problem.dim)
+    ).copy()
     # The gradient noise averaged over `replicas` replicas, and the drift, for every step.
     noise = (noise_std / math.sqrt(replicas)) * rng.standard_normal((steps, problem.dim))
     drift = drift_std * rng.standard_normal((steps, problem.dim))
@@ -347,8 +357,14 @@ class BudgetNQM:
     common to all arms and see none of it."""
 
     def __post_init__(self) -> None:
-        NQMProblem(dim=self.dim, h_min=self.h_min, h_max=self.h_max, noise=self.noise,
-                   drift=0.0, init_scale=self.init_scale)  # same checks as the tracking model
+        NQMProblem(
+            dim=self.dim,
+            h_min=self.h_min,
+            h_max=self.h_max,
+            noise=self.noise,
+            drift=0.0,
+            init_scale=self.init_scale,
+        )  # same checks as the tracking model
         if not 0 <= self.warmup_fraction < 1 or not 0 <= self.final_fraction <= 1:
             raise ValueError(
                 f"BudgetNQM needs 0 <= warmup_fraction < 1 and 0 <= final_fraction <= 1, got "
@@ -375,7 +391,7 @@ def _final_losses(problem: BudgetNQM, lrs, scales: np.ndarray, replicas: int) ->
     for every ``scale`` in ``scales`` at once (the second moment of each coordinate obeys a
     scalar linear recursion); ``inf`` where it blows up."""
     h = problem.curvatures()
-    m = np.full((len(scales), problem.dim), problem.init_scale ** 2)
+    m = np.full((len(scales), problem.dim), problem.init_scale**2)
     with np.errstate(over="ignore", invalid="ignore"):
         for unit in lrs:
             lr = (scales * unit)[:, None]
@@ -446,7 +462,7 @@ def simulate_budget(
     steps: int,
     replicas_per_arm: int = 1,
     seed: int = 0,
-    problem: Optional[BudgetNQM] = None,
+    problem: BudgetNQM | None = None,
 ) -> BudgetResult:
     """HDET on :class:`BudgetNQM` from a peak LR ``start_scale`` times the best one.
 
@@ -522,5 +538,11 @@ def simulate_budget(
         if not np.all(np.isfinite(error)):
             break
     final = float(0.5 * (h * error * error).sum())
-    return BudgetResult(start_scale, scales, lrs, budget_expected_loss(problem, lrs, replicas),
-                        best_loss, final if math.isfinite(final) else math.inf)
+    return BudgetResult(
+        start_scale,
+        scales,
+        lrs,
+        budget_expected_loss(problem, lrs, replicas),
+        best_loss,
+        final if math.isfinite(final) else math.inf,
+    )

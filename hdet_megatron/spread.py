@@ -102,7 +102,7 @@ def log_multipliers(n: int, alpha: float) -> list[float]:
     return [math.exp(d) for d in slot_offsets(n, alpha)]
 
 
-def slot_values(axis: "Axis", n: int) -> list[float]:
+def slot_values(axis: Axis, n: int) -> list[float]:
     """The ``n`` slot values of an axis, in increasing order.
 
     Multiplicative axes: multipliers (``linear_multipliers`` or ``log_multipliers`` according
@@ -163,19 +163,19 @@ def window_permutation(seed: int, window: int, axis_name: str, n: int) -> list[i
     return perm
 
 
-def arm_values(axis: "Axis", n: int, seed: int, window: int) -> list[float]:
+def arm_values(axis: Axis, n: int, seed: int, window: int) -> list[float]:
     """What each arm ``r`` uses on this axis in window ``window``: ``slot_values[perm[r]]``."""
     slots = slot_values(axis, n)
     perm = window_permutation(seed, window, axis.name, n)
     return [slots[p] for p in perm]
 
 
-def arm_spread(config: "HDETConfig", n: int, window: int) -> dict[str, list[float]]:
+def arm_spread(config: HDETConfig, n: int, window: int) -> dict[str, list[float]]:
     """``arm_values`` of every axis of ``config`` (seed ``config.seed``), keyed by axis name."""
     return {axis.name: arm_values(axis, n, config.seed, window) for axis in config.axes}
 
 
-def arm_axis_value(axis: "Axis", base: float, scale: float, spread_value: float) -> float:
+def arm_axis_value(axis: Axis, base: float, scale: float, spread_value: float) -> float:
     """The value an arm uses: ``base * scale * rho`` (multiplicative) or
     ``base + shift + offset`` (additive; ``scale`` is then the controller's shift), clipped to
     ``[axis.min, axis.max]`` where given."""

@@ -47,7 +47,7 @@ class _Runtime:
         self._init_topology(process_group)
 
         # Which axis drives the LR of each param group.
-        self.group_axes: list[Optional[Any]] = []
+        self.group_axes: list[Any | None] = []
         for axis in config.axes:
             if axis.name != "lr" and axis.group is None:
                 raise NotImplementedError(
@@ -79,12 +79,12 @@ class _Runtime:
         self.loss_sum = torch.zeros((), dtype=acc_dtype, device=self.device)
         self.host_loss_sum = 0.0
         self.loss_count = 0
-        self.snapshot: Optional[list[torch.Tensor]] = None
+        self.snapshot: list[torch.Tensor] | None = None
         if config.rollback:
             self.take_snapshot()
         self.spread_cache: tuple[int, dict[str, list[float]]] = (-1, {})
-        self.last_update: Optional[ControllerUpdate] = None
-        self.last_stats: Optional[AverageStats] = None
+        self.last_update: ControllerUpdate | None = None
+        self.last_stats: AverageStats | None = None
         self.last_base_lrs: list[float] = []
         self.num_converges = 0
         self.num_rollbacks = 0
@@ -120,7 +120,7 @@ class _Runtime:
             params = [p for group in optimizer.param_groups for p in group["params"]]
         self.params = list({id(p): p for p in params}.values())
         self.device = self.params[0].device if self.params else torch.device("cpu")
-        self.averager: Optional[BucketedAverager] = None
+        self.averager: BucketedAverager | None = None
         if self.size > 1:
             # Homing moves the params' storage into the averager's buckets; their modules'
             # state dicts are then protected (own storage per tensor, as before) - which needs

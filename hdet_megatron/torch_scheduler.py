@@ -36,7 +36,8 @@ With ``hdet=None`` (or one rank, spread 0 and the controller off) it is exactly 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -89,31 +90,31 @@ class HDETOneCycleLR(OneCycleLR):
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        max_lr: Union[float, Sequence[float]],
-        total_steps: Optional[int] = None,
-        epochs: Optional[int] = None,
-        steps_per_epoch: Optional[int] = None,
+        max_lr: float | Sequence[float],
+        total_steps: int | None = None,
+        epochs: int | None = None,
+        steps_per_epoch: int | None = None,
         pct_start: float = 0.3,
         anneal_strategy: str = "cos",
         cycle_momentum: bool = True,
-        base_momentum: Union[float, Sequence[float]] = 0.85,
-        max_momentum: Union[float, Sequence[float]] = 0.95,
+        base_momentum: float | Sequence[float] = 0.85,
+        max_momentum: float | Sequence[float] = 0.95,
         div_factor: float = 25.0,
         final_div_factor: float = 1e4,
         three_phase: bool = False,
         last_epoch: int = -1,
         *,
-        hdet: Optional[HDETConfig] = None,
-        model: Optional[torch.nn.Module] = None,
-        process_group: Optional[dist.ProcessGroup] = None,
-        device_mesh: Optional[Any] = None,
+        hdet: HDETConfig | None = None,
+        model: torch.nn.Module | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        device_mesh: Any | None = None,
     ) -> None:
         if hdet is not None and not isinstance(hdet, HDETConfig):
             raise TypeError(f"hdet must be an HDETConfig or None, got {type(hdet).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"{type(optimizer).__name__} is not an Optimizer")
         # Must exist before OneCycleLR.__init__ runs the initial step().
-        self._hdet: Optional[_Runtime] = None
+        self._hdet: _Runtime | None = None
         if hdet is not None:
             if device_mesh is not None or is_fsdp2_setup(optimizer, model):
                 # FSDP2 (fully_shard) model: arms are the replicate dim of the HSDP mesh.
@@ -178,7 +179,7 @@ class HDETOneCycleLR(OneCycleLR):
         return lrs
 
     # ------------------------------------------------------------------ stepping
-    def step(self, loss: Union[None, float, torch.Tensor] = None) -> None:  # type: ignore[override]
+    def step(self, loss: None | float | torch.Tensor = None) -> None:  # type: ignore[override]
         """Advance one optimizer step. ``loss``: this rank's local loss of the step just taken
         (needed by the controller; accumulated on the device, no host sync). Every
         ``hdet.period`` steps this converges (collective: call it on every rank)."""
@@ -198,7 +199,7 @@ class HDETOneCycleLR(OneCycleLR):
         if self._hdet is not None:
             self._hdet.close()
 
-    def converge(self) -> Optional[ControllerUpdate]:
+    def converge(self) -> ControllerUpdate | None:
         """Converge now (collective), e.g. after the last step of a run whose length is not a
         multiple of the period: the controller sees the partial window's losses (when there
         are any) and the replicas are averaged. The current window's spread is kept."""
@@ -213,7 +214,7 @@ class HDETOneCycleLR(OneCycleLR):
         cfg = rt.config
         window = max(self.last_epoch, 0) // cfg.period
         losses, counts = rt.arm_losses()
-        update: Optional[ControllerUpdate] = None
+        update: ControllerUpdate | None = None
         if not any(counts):
             # No loss signal at all (e.g. a single arm used as a drop-in OneCycleLR): average,
             # leave the controller alone.
@@ -232,9 +233,7 @@ class HDETOneCycleLR(OneCycleLR):
         else:
             bases = self._base_lrs_at(step)  # base schedule at the first step of the next window
             base_values = {
-                axis.name: bases[rt.group_axes.index(axis)]
-                for axis in cfg.axes
-                if axis in rt.group_axes
+                axis.name: bases[rt.group_axes.index(axis)] for axis in cfg.axes if axis in rt.group_axes
             }
             try:
                 update = rt.controller.update(losses, rt.spreads(window), step, base_values)
@@ -280,7 +279,7 @@ class HDETOneCycleLR(OneCycleLR):
 
     # ------------------------------------------------------------------ introspection
     @property
-    def hdet(self) -> Optional[HDETConfig]:
+    def hdet(self) -> HDETConfig | None:
         return self._hdet.config if self._hdet is not None else None
 
     @property
@@ -293,25 +292,25 @@ class HDETOneCycleLR(OneCycleLR):
         return self._hdet.num_arms if self._hdet is not None else 1
 
     @property
-    def controller(self) -> Optional[AutoController]:
+    def controller(self) -> AutoController | None:
         return self._hdet.controller if self._hdet is not None else None
 
     @property
-    def averager(self) -> Optional[BucketedAverager]:
+    def averager(self) -> BucketedAverager | None:
         return self._hdet.averager if self._hdet is not None else None
 
     @property
-    def last_update(self) -> Optional[ControllerUpdate]:
+    def last_update(self) -> ControllerUpdate | None:
         """The controller update of the last converge (None before the first)."""
         return self._hdet.last_update if self._hdet is not None else None
 
     @property
-    def last_stats(self) -> Optional[AverageStats]:
+    def last_stats(self) -> AverageStats | None:
         """Averaging stats of the last converge (None before it, or on a single rank)."""
         return self._hdet.last_stats if self._hdet is not None else None
 
     @property
-    def last_arm_losses(self) -> Optional[list[float]]:
+    def last_arm_losses(self) -> list[float] | None:
         update = self.last_update
         return list(update.arm_losses) if update is not None else None
 

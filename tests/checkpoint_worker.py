@@ -18,6 +18,7 @@ from hdet_megatron.megatron import toy
 from hdet_megatron.megatron.checkpointing import HDETCheckpointError
 from hdet_megatron.megatron.runtime import HDET, main_params
 from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+
 from megatron.core import parallel_state as ps
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -26,7 +27,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 class Run:
     tp: int = 1
     pp: int = 1
-    arms: Optional[int] = None
+    arms: int | None = None
     dist_opt: bool = False
     bf16: bool = False
     hdet: bool = True
@@ -56,7 +57,9 @@ class Job:
         dp = world_size // (run.tp * run.pp)
         arms = run.arms or dp
         self.setup = toy.ToyGPTSetup(
-            tp=run.tp, pp=run.pp, num_layers=2,
+            tp=run.tp,
+            pp=run.pp,
+            num_layers=2,
             use_distributed_optimizer=run.dist_opt,
             num_distributed_optimizer_instances=arms if run.dist_opt else 1,
             bf16=run.bf16,
@@ -68,8 +71,12 @@ class Job:
         self.hdet = None
         if run.hdet:
             self.config = HDETConfig(
-                period=run.period, arms=run.arms, grad_sync=run.grad_sync,
-                axes=(Axis("lr", run.spread),), temperature=run.temperature, **run.config,
+                period=run.period,
+                arms=run.arms,
+                grad_sync=run.grad_sync,
+                axes=(Axis("lr", run.spread),),
+                temperature=run.temperature,
+                **run.config,
             )
             self.scheduler = HDETOptimizerParamScheduler(self.optimizer, hdet=self.config, **kwargs)
             self.probe_losses: list[float] = []
@@ -141,8 +148,12 @@ class Job:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def result(self) -> dict:
-        out = {"losses": dict(self.losses), "params": self.params(), "history": list(self.history),
-               "iteration": self.iteration}
+        out = {
+            "losses": dict(self.losses),
+            "params": self.params(),
+            "history": list(self.history),
+            "iteration": self.iteration,
+        }
         if self.hdet is not None:
             out["scales"] = self.scheduler.controller.scales()
             out["window"] = self.scheduler.window
@@ -221,9 +232,12 @@ def rules(rank, world_size, root):
     job.train_until(4)
     job.save(os.path.join(root, "hdet", "torch"), "torch")
     job.save(os.path.join(root, "hdet", "torch_dist"), "torch_dist")
-    out["saved"] = {"scales": job.scheduler.controller.scales(), "window": job.scheduler.window,
-                    "params": job.params(),
-                    "velocity": job.scheduler.controller.velocities()}
+    out["saved"] = {
+        "scales": job.scheduler.controller.scales(),
+        "window": job.scheduler.window,
+        "params": job.params(),
+        "velocity": job.scheduler.controller.velocities(),
+    }
     out["checkpoint_config"] = [
         ckpt.checkpoint_hdet_config(os.path.join(root, "hdet", fmt)) == job.config
         for fmt in ("torch", "torch_dist")
@@ -244,11 +258,14 @@ def rules(rank, world_size, root):
     capture.messages.clear()
     it = job.load(os.path.join(root, "plain", "torch"))
     out["plain_to_hdet"] = {
-        "iteration": it, "hdet_iteration": job.hdet.iteration, "scales": job.scheduler.controller.scales(),
-        "window": job.scheduler.window, "num_steps": job.scheduler.num_steps,
+        "iteration": it,
+        "hdet_iteration": job.hdet.iteration,
+        "scales": job.scheduler.controller.scales(),
+        "window": job.scheduler.window,
+        "num_steps": job.scheduler.num_steps,
         "params_equal": job.params() == plain_params,
-        "lr": job.lr(), "expected_lr": job.scheduler.get_lr(job.optimizer.param_groups[0])
-        * job.scheduler.arm_factor("lr"),
+        "lr": job.lr(),
+        "expected_lr": job.scheduler.get_lr(job.optimizer.param_groups[0]) * job.scheduler.arm_factor("lr"),
         "logged": any("no HDET state" in m for m in capture.messages),
     }
     job.train_until(6)  # the first window after the resume ends 3 steps later
@@ -265,12 +282,14 @@ def rules(rank, world_size, root):
     state = job.scheduler.state_dict()
     out["hdet_to_plain"] = {
         "warnings": sum("ignored by this plain OptimizerParamScheduler" in m for m in capture.messages),
-        "num_steps": num_steps, "has_hdet_key": "hdet" in state,
+        "num_steps": num_steps,
+        "has_hdet_key": "hdet" in state,
         "params_equal": job.params()["main"] == out["saved"]["params"]["main"],
     }
     # Megatron's own load_state_dict takes the HDET superset as is.
-    hdet_sched_state = ckpt._read_common(ckpt.checkpoint_dir(os.path.join(root, "hdet", "torch"), 4),
-                                         "torch")["opt_param_scheduler"]
+    hdet_sched_state = ckpt._read_common(
+        ckpt.checkpoint_dir(os.path.join(root, "hdet", "torch"), 4), "torch"
+    )["opt_param_scheduler"]
     job.scheduler.load_state_dict(hdet_sched_state)
     job.train_until(6)
     job.close()
@@ -280,7 +299,8 @@ def rules(rank, world_size, root):
     capture.messages.clear()
     job.load(os.path.join(root, "hdet", "torch"))
     out["arms_changed"] = {
-        "scales": job.scheduler.controller.scales(), "window": job.scheduler.window,
+        "scales": job.scheduler.controller.scales(),
+        "window": job.scheduler.window,
         "steps_in_window": job.hdet.steps_in_window,
         "logged": [m for m in capture.messages if "windows restarted" in m],
     }
@@ -291,7 +311,8 @@ def rules(rank, world_size, root):
     capture.messages.clear()
     job.load(os.path.join(root, "hdet", "torch_dist"))
     out["dp_changed"] = {
-        "scales": job.scheduler.controller.scales(), "window": job.scheduler.window,
+        "scales": job.scheduler.controller.scales(),
+        "window": job.scheduler.window,
         "logged": [m for m in capture.messages if "windows restarted" in m],
     }
     job.train_until(7)
@@ -304,7 +325,8 @@ def rules(rank, world_size, root):
     capture.messages.clear()
     job.load(os.path.join(root, "hdet", "torch"))
     out["config_checkpoint_wins"] = {
-        "period": job.hdet.config.period, "sched_period": job.scheduler.hdet_config.period,
+        "period": job.hdet.config.period,
+        "sched_period": job.scheduler.hdet_config.period,
         "temperature": job.scheduler.controller.config.temperature,
         "logged": [m for m in capture.messages if "differs from the checkpoint" in m],
     }
@@ -312,8 +334,14 @@ def rules(rank, world_size, root):
     overrides = {}
     for label, run, kwargs in (
         ("flag", changed, {"override_hdet_config": True}),
-        ("megatron_flag", replace(changed, sched={"override_opt_param_scheduler": True,
-                                                  "use_checkpoint_opt_param_scheduler": False}), {}),
+        (
+            "megatron_flag",
+            replace(
+                changed,
+                sched={"override_opt_param_scheduler": True, "use_checkpoint_opt_param_scheduler": False},
+            ),
+            {},
+        ),
     ):
         job = Job(run, world_size)
         job.load(os.path.join(root, "hdet", "torch"), **kwargs)
@@ -367,15 +395,19 @@ def rules(rank, world_size, root):
     run = replace(base, config={"converge_on_save": False})
     setup_job = Job(replace(run, hdet=False), world_size)  # model/optimizer only
     sched = HDETOptimizerParamScheduler(
-        setup_job.optimizer, hdet=HDETConfig(period=3, axes=(Axis("lr", 0.2),), temperature=0.05,
-                                             converge_on_save=False),
+        setup_job.optimizer,
+        hdet=HDETConfig(period=3, axes=(Axis("lr", 0.2),), temperature=0.05, converge_on_save=False),
         **toy.scheduler_kwargs(setup_job.setup, run.steps),
     )
-    ckpt.load_checkpoint(os.path.join(root, "noconv", "torch_dist"), setup_job.model,
-                         setup_job.optimizer, sched)
+    ckpt.load_checkpoint(
+        os.path.join(root, "noconv", "torch_dist"), setup_job.model, setup_job.optimizer, sched
+    )
     hdet = HDET(sched.hdet_config, setup_job.model, setup_job.optimizer, sched)
-    out["noconv"] = {"saved": sums_before, "loaded": hdet.runtime_state_dict(),
-                     "warned": any("mixes arms" in m for m in capture.messages)}
+    out["noconv"] = {
+        "saved": sums_before,
+        "loaded": hdet.runtime_state_dict(),
+        "warned": any("mixes arms" in m for m in capture.messages),
+    }
     hdet.close()
     setup_job.close()
 
@@ -383,8 +415,11 @@ def rules(rank, world_size, root):
     #    (what every run wrote before homing): save (A), give every homed tensor its own storage
     #    again, save the same state (B), compare every file; then load A back.
     out["homed_files"] = {}
-    for name, variant in (("fp32", {}), ("bf16", {"bf16": True}),
-                          ("bf16_distopt", {"bf16": True, "dist_opt": True})):
+    for name, variant in (
+        ("fp32", {}),
+        ("bf16", {"bf16": True}),
+        ("bf16_distopt", {"bf16": True, "dist_opt": True}),
+    ):
         job = Job(replace(base, steps=4, **variant), world_size)
         job.seek(0)
         job.train_until(4)
@@ -403,15 +438,22 @@ def rules(rank, world_size, root):
         for dirpath, _, names in os.walk(a_root):
             for f in names:
                 rel = os.path.relpath(os.path.join(dirpath, f), a_root)
-                with open(os.path.join(a_root, rel), "rb") as fa, \
-                        open(os.path.join(root, "homed", name, "B", rel), "rb") as fb:
+                with (
+                    open(os.path.join(a_root, rel), "rb") as fa,
+                    open(os.path.join(root, "homed", name, "B", rel), "rb") as fb,
+                ):
                     same = fa.read() == fb.read()
                     if not same and f == ".metadata":  # DCP's: compare all but storage_meta
                         # (its checkpoint_id is the directory, its save_id a fresh uuid)
-                        ma, mb = (pickle.load(open(os.path.join(r, rel), "rb"))
-                                  for r in (a_root, os.path.join(root, "homed", name, "B")))
+                        ma, mb = (
+                            pickle.load(open(os.path.join(r, rel), "rb"))
+                            for r in (a_root, os.path.join(root, "homed", name, "B"))
+                        )
                         same = (ma.state_dict_metadata, ma.storage_data, ma.planner_data) == (
-                            mb.state_dict_metadata, mb.storage_data, mb.planner_data)
+                            mb.state_dict_metadata,
+                            mb.storage_data,
+                            mb.planner_data,
+                        )
                     files[rel] = (same, os.path.getsize(os.path.join(a_root, rel)))
         loaded = {}
         for fmt in ("torch", "torch_dist"):

@@ -6,8 +6,13 @@ import torch
 import torch.distributed as dist
 
 #: torch.distributed collectives wrapped by default.
-COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single",
-               "all_gather_into_tensor", "reduce_scatter_tensor")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+)
 
 
 class CrossArmBytes:
@@ -26,8 +31,7 @@ class CrossArmBytes:
         self._saved: list = []
 
     def _spans_arms(self, group) -> bool:
-        ranks = (dist.get_process_group_ranks(group) if group is not None
-                 else range(dist.get_world_size()))
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
         return len({self.arm_of_rank[r] for r in ranks}) > 1
 
     def __enter__(self):
@@ -38,8 +42,7 @@ class CrossArmBytes:
 
             def wrapped(*args, _original=original, **kwargs):
                 if self._spans_arms(kwargs.get("group")):
-                    tensors = [a for a in list(args) + list(kwargs.values())
-                               if isinstance(a, torch.Tensor)]
+                    tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
                     self.bytes += max((t.numel() * t.element_size() for t in tensors), default=0)
                     self.calls += 1
                 return _original(*args, **kwargs)

@@ -22,15 +22,25 @@ import torch
 
 from hdet_megatron.config import Axis, HDETConfig
 from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 #: The one-arm neutral config: HDET is on but changes no value.
 NEUTRAL = HDETConfig(arms=1, axes=(Axis("lr", 0.0), Axis("weight_decay", 0.0)), period=7)
 MODES = {"hdet=None": None, "neutral one-arm HDET": NEUTRAL}
 
-BASE = dict(init_lr=0.01, max_lr=0.1, min_lr=0.001, lr_warmup_steps=100, lr_decay_steps=1000,
-            lr_decay_style="linear", start_wd=0.0, end_wd=0.1, wd_incr_steps=1000,
-            wd_incr_style="linear")
+BASE = dict(
+    init_lr=0.01,
+    max_lr=0.1,
+    min_lr=0.001,
+    lr_warmup_steps=100,
+    lr_decay_steps=1000,
+    lr_decay_style="linear",
+    start_wd=0.0,
+    end_wd=0.1,
+    wd_incr_steps=1000,
+    wd_incr_style="linear",
+)
 
 
 def _optimizer(groups):
@@ -84,9 +94,21 @@ def same_trace(hdet, increments, groups=({"lr": 0.0, "weight_decay": 0.0},), **o
 
 def case_initialization(hdet):
     ref, _, ours, _ = pair(hdet)
-    for name in ("init_lr", "max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
-                 "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style", "num_steps",
-                 "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
+    for name in (
+        "init_lr",
+        "max_lr",
+        "min_lr",
+        "lr_warmup_steps",
+        "lr_decay_steps",
+        "lr_decay_style",
+        "start_wd",
+        "end_wd",
+        "wd_incr_steps",
+        "wd_incr_style",
+        "num_steps",
+        "override_opt_param_scheduler",
+        "use_checkpoint_opt_param_scheduler",
+    ):
         assert getattr(ours, name) == getattr(ref, name), name
     assert ours.max_lr == 0.1 and ours.lr_decay_style == "linear" and ours.num_steps == 0
 
@@ -165,18 +187,43 @@ def case_state_dict(hdet):
 
 
 def case_load_state_dict(hdet):
-    saved = {"max_lr": 0.2, "min_lr": 0.0005, "lr_warmup_steps": 200, "lr_decay_steps": 2000,
-             "lr_decay_style": "cosine", "num_steps": 500, "start_wd": 0.01, "end_wd": 0.2,
-             "wd_incr_steps": 500, "wd_incr_style": "cosine"}
-    legacy = {"start_lr": 0.2, "min_lr": 0.0005, "warmup_iter": 200, "end_iter": 2000,
-              "decay_style": "cosine", "num_iters": 500}
+    saved = {
+        "max_lr": 0.2,
+        "min_lr": 0.0005,
+        "lr_warmup_steps": 200,
+        "lr_decay_steps": 2000,
+        "lr_decay_style": "cosine",
+        "num_steps": 500,
+        "start_wd": 0.01,
+        "end_wd": 0.2,
+        "wd_incr_steps": 500,
+        "wd_incr_style": "cosine",
+    }
+    legacy = {
+        "start_lr": 0.2,
+        "min_lr": 0.0005,
+        "warmup_iter": 200,
+        "end_iter": 2000,
+        "decay_style": "cosine",
+        "num_iters": 500,
+    }
     for state in (saved, legacy):
         ref, ref_opt, ours, opt = pair(hdet)
         ref.load_state_dict(dict(state))
         ours.load_state_dict(dict(state))
         assert _snapshot(ours, opt) == _snapshot(ref, ref_opt)
-        for name in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
-                     "num_steps", "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style"):
+        for name in (
+            "max_lr",
+            "min_lr",
+            "lr_warmup_steps",
+            "lr_decay_steps",
+            "lr_decay_style",
+            "num_steps",
+            "start_wd",
+            "end_wd",
+            "wd_incr_steps",
+            "wd_incr_style",
+        ):
             assert getattr(ours, name) == getattr(ref, name), name
         assert ours.num_steps == 500 and ours.lr_decay_style == "cosine"
         for inc in (1, 99, 1000):
@@ -193,13 +240,24 @@ def case_load_state_dict(hdet):
 
 def case_override_and_checkpoint_rules(hdet):
     saved = dict(BASE, num_steps=300)
-    saved = {k: saved[k] for k in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps",
-                                   "lr_decay_style", "num_steps", "start_wd", "end_wd",
-                                   "wd_incr_steps", "wd_incr_style")}
+    saved = {
+        k: saved[k]
+        for k in (
+            "max_lr",
+            "min_lr",
+            "lr_warmup_steps",
+            "lr_decay_steps",
+            "lr_decay_style",
+            "num_steps",
+            "start_wd",
+            "end_wd",
+            "wd_incr_steps",
+            "wd_incr_style",
+        )
+    }
     saved["max_lr"] = 0.3
     # override: this run's values win; use-checkpoint (default): the checkpoint's win.
-    for flags in ({"override_opt_param_scheduler": True, "use_checkpoint_opt_param_scheduler": False},
-                  {}):
+    for flags in ({"override_opt_param_scheduler": True, "use_checkpoint_opt_param_scheduler": False}, {}):
         ref, ref_opt, ours, opt = pair(hdet, **flags)
         ref.load_state_dict(dict(saved))
         ours.load_state_dict(dict(saved))
@@ -228,8 +286,15 @@ def case_override_and_checkpoint_rules(hdet):
 
 def case_invalid_arguments(hdet):
     """Megatron's argument asserts hold for ours too (same exception type)."""
-    for bad in ({"min_lr": -1.0}, {"max_lr": 0.0005}, {"init_lr": 0.5}, {"lr_decay_steps": 0},
-                {"lr_warmup_steps": 1000}, {"start_wd": 0.2}, {"lr_decay_style": "WSD"}):
+    for bad in (
+        {"min_lr": -1.0},
+        {"max_lr": 0.0005},
+        {"init_lr": 0.5},
+        {"lr_decay_steps": 0},
+        {"lr_warmup_steps": 1000},
+        {"start_wd": 0.2},
+        {"lr_decay_style": "WSD"},
+    ):
         outcome = []
         for cls in (OptimizerParamScheduler, HDETOptimizerParamScheduler):
             kwargs = {**BASE, **bad}
@@ -243,10 +308,18 @@ def case_invalid_arguments(hdet):
         assert outcome[0] is not None and outcome[0] == outcome[1], (bad, outcome)
 
 
-CASES = [case_initialization, case_weight_decay_styles, case_lr_decay_styles,
-         case_step_sets_param_groups, case_empty_and_overridden_groups, case_tensor_lr,
-         case_state_dict, case_load_state_dict, case_override_and_checkpoint_rules,
-         case_invalid_arguments]
+CASES = [
+    case_initialization,
+    case_weight_decay_styles,
+    case_lr_decay_styles,
+    case_step_sets_param_groups,
+    case_empty_and_overridden_groups,
+    case_tensor_lr,
+    case_state_dict,
+    case_load_state_dict,
+    case_override_and_checkpoint_rules,
+    case_invalid_arguments,
+]
 
 
 def run_all() -> dict:

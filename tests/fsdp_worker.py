@@ -21,7 +21,7 @@ from tests.cross_arm import CrossArmBytes
 class FSDPScenario:
     replicas: int = 2
     hdet: bool = True
-    arms: Optional[int] = None
+    arms: int | None = None
     grad_sync: str = "global"
     spread: float = 0.3
     auto: bool = True
@@ -29,11 +29,11 @@ class FSDPScenario:
     steps: int = 7
     temperature: float = 0.05
     count_bytes: bool = False
-    save_at: Optional[int] = None
+    save_at: int | None = None
     """Save a checkpoint after this many steps (to ``save_dir``)."""
-    save_dir: Optional[str] = None
-    save_converge: Optional[bool] = None
-    resume_from: Optional[str] = None
+    save_dir: str | None = None
+    save_converge: bool | None = None
+    resume_from: str | None = None
     """Build fresh, load this checkpoint, then train steps ``resume_step+1..steps``."""
     extra: dict = field(default_factory=dict)
 
@@ -107,7 +107,11 @@ def build(sc: FSDPScenario):
             **sc.extra,
         )
     sched = HDETOneCycleLR(
-        optimizer, max_lr=0.05, total_steps=sc.steps + 2, hdet=config, model=model,
+        optimizer,
+        max_lr=0.05,
+        total_steps=sc.steps + 2,
+        hdet=config,
+        model=model,
         device_mesh=mesh if sc.hdet else None,
     )
     return mesh, model, optimizer, sched
@@ -124,8 +128,17 @@ def run(rank: int, world_size: int, sc: FSDPScenario) -> dict:
     for r, row in enumerate(ranks):
         for g in row:
             arm_of_rank[g] = r // (len(ranks) // num_arms)
-    out: dict = {"arm": sched.arm, "replica": replicate_rank, "lrs": {}, "losses": {}, "digests": {},
-                 "grad_bytes": {}, "grad_calls": {}, "history": [], "converge_bytes": []}
+    out: dict = {
+        "arm": sched.arm,
+        "replica": replicate_rank,
+        "lrs": {},
+        "losses": {},
+        "digests": {},
+        "grad_bytes": {},
+        "grad_calls": {},
+        "history": [],
+        "converge_bytes": [],
+    }
     start = 0
     if sc.resume_from is not None:
         out["layout"] = load_checkpoint(sc.resume_from, model, optimizer, sched)
@@ -153,11 +166,16 @@ def run(rank: int, world_size: int, sc: FSDPScenario) -> dict:
         sched.step(loss.detach())
         if sched.hdet and sched._hdet.num_converges != before and averager is not None:
             out["homing_checks"] = out.get("homing_checks", 0) + check_homed_converge(
-                averager, snapshot, sched.last_update)
+                averager, snapshot, sched.last_update
+            )
         if sched.hdet and sched._hdet.num_converges != before:
             out["history"].append(
-                {"step": step, "first": window_start, "arm_losses": list(sched.last_update.arm_losses),
-                 "scales": dict(sched.controller.scales())}
+                {
+                    "step": step,
+                    "first": window_start,
+                    "arm_losses": list(sched.last_update.arm_losses),
+                    "scales": dict(sched.controller.scales()),
+                }
             )
             window_start = step + 1
             out["converge_bytes"].append(sched.last_stats.bytes if sched.last_stats else 0)
@@ -188,7 +206,8 @@ def check_homed_converge(averager, before, update) -> int:
     copying = getattr(averager, "_test_copying", None)
     if copying is None:
         copying = averager._test_copying = BucketedAverager(
-            tensors, group=averager.group, bucket_mb=averager.bucket_bytes / 2**20, home=False)
+            tensors, group=averager.group, bucket_mb=averager.bucket_bytes / 2**20, home=False
+        )
     assert update is None or not update.excluded
     with torch.no_grad():
         for t, b in zip(tensors, before):
@@ -260,8 +279,9 @@ def setup_errors(rank: int, world_size: int) -> dict:
     model = build_model(mesh1d)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     try:
-        HDETOneCycleLR(opt, max_lr=0.05, total_steps=10, hdet=HDETConfig(period=2), model=model,
-                       device_mesh=mesh)
+        HDETOneCycleLR(
+            opt, max_lr=0.05, total_steps=10, hdet=HDETConfig(period=2), model=model, device_mesh=mesh
+        )
         out["mismatch"] = None
     except HSDPRequired as exc:
         out["mismatch"] = str(exc)

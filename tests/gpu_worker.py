@@ -62,8 +62,10 @@ def averager(rank: int, world: int) -> dict:
     avg.average()
     mean_factor = sum(r + 1 for r in range(world)) / world
     err_fp32 = max(float((t.cpu() - b * mean_factor).abs().max()) for t, b in zip(fp32, base))
-    err_bf16 = max(float((t.float().cpu() - (b * mean_factor)).abs().max() / (b.abs().max() * mean_factor))
-                   for t, b in zip(bf16, base))
+    err_bf16 = max(
+        float((t.float().cpu() - (b * mean_factor)).abs().max() / (b.abs().max() * mean_factor))
+        for t, b in zip(bf16, base)
+    )
     plain_digest = _digest(tensors)
     # Weighted: rank r weighs r + 1 (a CUDA tensor weight).
     for t, b in zip(fp32, base):
@@ -72,8 +74,14 @@ def averager(rank: int, world: int) -> dict:
     weights = [r + 1 for r in range(world)]
     wmean = sum(w * w for w in weights) / sum(weights)  # sum_r w_r * (r+1) / sum_r w_r, w_r = r+1
     err_weighted = max(float((t.cpu() - b * wmean).abs().max()) for t, b in zip(fp32, base))
-    return {"err_fp32": err_fp32, "err_bf16_rel": err_bf16, "err_weighted": err_weighted,
-            "digest": plain_digest, "weighted_digest": _digest(fp32), "device": str(avg.device)}
+    return {
+        "err_fp32": err_fp32,
+        "err_bf16_rel": err_bf16,
+        "err_weighted": err_weighted,
+        "digest": plain_digest,
+        "weighted_digest": _digest(fp32),
+        "device": str(avg.device),
+    }
 
 
 def hdet(rank: int, world: int, te: bool) -> dict:
@@ -88,9 +96,17 @@ def hdet(rank: int, world: int, te: bool) -> dict:
 
     assert cpu.shims_applied() == (_device().type == "cpu"), "CPU shims must stay off on CUDA"
     setup = toy.ToyGPTSetup(
-        num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=32,
-        bf16=True, use_distributed_optimizer=True, num_distributed_optimizer_instances=world,
-        hidden_dropout=0.1, attention_dropout=0.1, cuda=_device().type == "cuda",
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=128,
+        seq_length=32,
+        bf16=True,
+        use_distributed_optimizer=True,
+        num_distributed_optimizer_instances=world,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        cuda=_device().type == "cuda",
         transformer_impl="transformer_engine" if te else "local",
     )
     steps, period = 8, 3
@@ -104,8 +120,9 @@ def hdet(rank: int, world: int, te: bool) -> dict:
         )
         scheduler = HDETOptimizerParamScheduler(optimizer, hdet=config, **toy.scheduler_kwargs(setup, steps))
         runtime = HDET(config, model, optimizer, scheduler)
-        out["module_axis_targets"] = sorted({f"{type(t.module).__name__}.{t.attr}"
-                                             for t in runtime.module_axes.targets})
+        out["module_axis_targets"] = sorted(
+            {f"{type(t.module).__name__}.{t.attr}" for t in runtime.module_axes.targets}
+        )
         out["param_devices"] = sorted({str(p.device) for c in model for p in c.parameters()})
         out["main_dtypes"] = sorted({str(p.dtype) for p in main_params(optimizer)})
         data = toy.data_iterator_for_rank(setup)
@@ -152,8 +169,13 @@ def torch_scheduler(rank: int, world: int) -> dict:
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(dev)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     steps, period = 7, 3
-    sched = HDETOneCycleLR(optimizer, max_lr=0.05, total_steps=steps + 2, model=model,
-                           hdet=HDETConfig(period=period, axes=(Axis("lr", 0.3),)))
+    sched = HDETOneCycleLR(
+        optimizer,
+        max_lr=0.05,
+        total_steps=steps + 2,
+        model=model,
+        hdet=HDETConfig(period=period, axes=(Axis("lr", 0.3),)),
+    )
     gen = torch.Generator().manual_seed(100 + rank)
     out: dict = {"digests": [], "lrs": [], "syncs_non_converge": None, "converges": []}
     for step in range(1, steps + 1):
@@ -248,8 +270,9 @@ def gloo_adapter_equivalence(rank: int, world: int) -> dict:
         out[f"async={async_ops}"] = (a.tolist(), b.tolist(), gathered.tolist(), scattered.tolist())
 
     def train(adapter: bool) -> str:
-        setup = toy.ToyGPTSetup(use_distributed_optimizer=True, num_distributed_optimizer_instances=1,
-                                overlap_grad_reduce=True)
+        setup = toy.ToyGPTSetup(
+            use_distributed_optimizer=True, num_distributed_optimizer_instances=1, overlap_grad_reduce=True
+        )
         with toy.parallel(setup):
             model = toy.build_model(setup)
             optimizer = toy.build_optimizer(setup, model)

@@ -24,7 +24,8 @@ import socket
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 PRELOAD = ["torch", "hdet_megatron.megatron.preload"]
 
@@ -63,9 +64,7 @@ def _rank_main(rank, world_size, init_file, fn, args, kwargs, results, threads):
     )
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
-        )
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args, **kwargs)
         # Plain pickle: multiprocessing's pickler would pass tensors by file descriptor, which
         # breaks once this rank has exited.
@@ -116,9 +115,7 @@ def run_world(
                         # the survivors are probably blocked in a collective with the dead rank.
                         deadline = min(deadline, time.monotonic() + 10.0)
                 except queue.Empty:
-                    dead = [
-                        r for r, p in enumerate(procs) if not p.is_alive() and r not in outcomes
-                    ]
+                    dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outcomes]
                     if dead and results.empty():
                         for r in dead:
                             outcomes[r] = (False, f"rank {r} died (exit code {procs[r].exitcode})")

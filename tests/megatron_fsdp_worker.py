@@ -15,6 +15,8 @@ from hdet_megatron.megatron import toy
 from hdet_megatron.megatron.fsdp import TorchFSDPGradSync, TorchFSDPHDET, wrap_torch_fsdp2
 from hdet_megatron.megatron.layout import ArmLayout
 from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+from tests.cross_arm import CrossArmBytes
+
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
@@ -24,7 +26,6 @@ from megatron.core.distributed.torch_fully_sharded_data_parallel_config import (
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from tests.cross_arm import CrossArmBytes
 
 
 @dataclass
@@ -33,7 +34,7 @@ class MegatronFSDPScenario:
     """``hsdp`` (wrap_torch_fsdp2: shards inside each arm) or ``fsdp`` (Megatron's default
     TorchFullyShardedDataParallel over the whole DP group)."""
     hdet: bool = True
-    arms: Optional[int] = 2
+    arms: int | None = 2
     """2 arms on 4 ranks: each arm shards its copy over 2 ranks."""
     grad_sync: str = "global"
     spread: float = 0.3
@@ -82,8 +83,14 @@ def run(rank: int, world_size: int, sc: MegatronFSDPScenario) -> dict:
         kwargs = toy.scheduler_kwargs(setup, sc.steps)
         hdet = sync = None
         if sc.hdet:
-            hcfg = HDETConfig(period=sc.period, arms=sc.arms, grad_sync=sc.grad_sync,
-                              axes=(Axis("lr", sc.spread),), auto=sc.auto, temperature=sc.temperature)
+            hcfg = HDETConfig(
+                period=sc.period,
+                arms=sc.arms,
+                grad_sync=sc.grad_sync,
+                axes=(Axis("lr", sc.spread),),
+                auto=sc.auto,
+                temperature=sc.temperature,
+            )
             scheduler = HDETOptimizerParamScheduler(optimizer, hdet=hcfg, layout=layout, **kwargs)
             hdet = TorchFSDPHDET(hcfg, [chunk], optimizer, scheduler)
         else:
@@ -109,8 +116,9 @@ def run(rank: int, world_size: int, sc: MegatronFSDPScenario) -> dict:
             if hdet is not None:
                 metrics = hdet.step(losses)
                 if metrics is not None:
-                    out["history"].append({"step": step, "arm_losses": metrics.arm_losses,
-                                           "bytes": metrics.converge_bytes})
+                    out["history"].append(
+                        {"step": step, "arm_losses": metrics.arm_losses, "bytes": metrics.converge_bytes}
+                    )
             out["digests"][step] = _digest(chunk, shard_group)
         if hdet is not None:
             hdet.close()

@@ -14,6 +14,7 @@ from hdet_megatron.megatron import toy
 from hdet_megatron.megatron.runtime import HDET, main_params
 from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
 from tests.cross_arm import CrossArmBytes
+
 from megatron.core import parallel_state as ps
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -22,7 +23,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 class Scenario:
     tp: int = 1
     pp: int = 1
-    arms: Optional[int] = None
+    arms: int | None = None
     grad_sync: str = "global"
     dist_opt: bool = False
     bf16: bool = False
@@ -41,8 +42,11 @@ class Scenario:
 def digest(tensors) -> str:
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.dtype == torch.bfloat16
-                 else t.detach().contiguous().numpy().tobytes())
+        h.update(
+            t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+            if t.dtype == torch.bfloat16
+            else t.detach().contiguous().numpy().tobytes()
+        )
     return h.hexdigest()[:16]
 
 
@@ -60,15 +64,18 @@ def check_homed_converge(hdet, before, metrics) -> int:
     copying = getattr(hdet, "_test_copying", None)
     if copying is None:
         copying = hdet._test_copying = BucketedAverager(
-            tensors, group=hdet.layout.cross_arm_group, bucket_mb=hdet.config.bucket_mb, home=False)
+            tensors, group=hdet.layout.cross_arm_group, bucket_mb=hdet.config.bucket_mb, home=False
+        )
     assert not metrics.excluded
     with torch.no_grad():
         for t, b in zip(tensors, before):
             t.copy_(b)
         copying.average()
         for t, a in zip(tensors, after):
-            assert torch.equal(t.view(torch.uint8) if t.dtype == torch.bfloat16 else t, a.view(
-                torch.uint8) if a.dtype == torch.bfloat16 else a), "homed and copying converge differ"
+            assert torch.equal(
+                t.view(torch.uint8) if t.dtype == torch.bfloat16 else t,
+                a.view(torch.uint8) if a.dtype == torch.bfloat16 else a,
+            ), "homed and copying converge differ"
             t.copy_(a)
     return 1
 
@@ -84,8 +91,14 @@ def run(rank: int, world_size: int, sc: Scenario) -> dict:
         use_distributed_optimizer=sc.dist_opt,
         num_distributed_optimizer_instances=instances,
     )
-    out: dict = {"lrs": [], "losses": [], "window_digests": [], "step_digests": [], "history": [],
-                 "probe_losses": []}
+    out: dict = {
+        "lrs": [],
+        "losses": [],
+        "window_digests": [],
+        "step_digests": [],
+        "history": [],
+        "probe_losses": [],
+    }
     with toy.parallel(setup):
         model = toy.build_model(setup)
         optimizer = toy.build_optimizer(setup, model)
@@ -110,7 +123,8 @@ def run(rank: int, world_size: int, sc: Scenario) -> dict:
                 with torch.no_grad():
                     losses = toy.forward_backward(setup, model, probe_data, forward_only=True)
                 out["probe_losses"].append(
-                    float(torch.stack([o["lm loss"] for o in losses]).mean()) if losses else None)
+                    float(torch.stack([o["lm loss"] for o in losses]).mean()) if losses else None
+                )
                 return losses
 
             hdet = HDET(config, model, optimizer, scheduler, probe_fn=probe_fn if sc.probe else None)
@@ -130,8 +144,10 @@ def run(rank: int, world_size: int, sc: Scenario) -> dict:
         dist.all_gather_object(arm_of_rank, out["arm"])
         from megatron.core.distributed import param_and_grad_buffer as pgb
 
-        counter = CrossArmBytes(dict(enumerate(arm_of_rank)), extra=(
-            (pgb, "dist_reduce_scatter_func"), (pgb, "dist_all_gather_func")))
+        counter = CrossArmBytes(
+            dict(enumerate(arm_of_rank)),
+            extra=((pgb, "dist_reduce_scatter_func"), (pgb, "dist_all_gather_func")),
+        )
         window_bytes = []
         for _step in range(sc.steps):
             # The LR this rank applies in this step (set by the previous scheduler step / window).
@@ -149,7 +165,8 @@ def run(rank: int, world_size: int, sc: Scenario) -> dict:
                     counter.__exit__()
             if metrics is not None:
                 out["homing_checks"] = out.get("homing_checks", 0) + check_homed_converge(
-                    hdet, before, metrics)
+                    hdet, before, metrics
+                )
             assert ok
             if out["last_stage"]:
                 out["losses"].append(float(torch.stack([o["lm loss"] for o in losses]).mean()))

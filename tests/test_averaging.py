@@ -151,12 +151,19 @@ def _averaging_world(rank, world):
     #    averager's flat storage (same tensor objects); results are bit-identical to the copying
     #    path, weighted and not, with buckets that split tensors.
     for pure in (False, True):
-        keep = [i for i, (shape, dt) in enumerate(SHAPES)
-                if not pure or dt in (torch.float32, torch.float64)]
-        want_homed = {k for k, i in enumerate(keep) if math.prod(SHAPES[i][0])
-                      and (SHAPES[i][1] == torch.float64 or pure and SHAPES[i][1] == torch.float32)}
-        for bucket_mb, w in ((40.0, None), (28 / 2**20, None), (24 / 2**20, weights[rank]),
-                             (24 / 2**20, torch.tensor(weights[rank]))):
+        keep = [i for i, (shape, dt) in enumerate(SHAPES) if not pure or dt in (torch.float32, torch.float64)]
+        want_homed = {
+            k
+            for k, i in enumerate(keep)
+            if math.prod(SHAPES[i][0])
+            and (SHAPES[i][1] == torch.float64 or pure and SHAPES[i][1] == torch.float32)
+        }
+        for bucket_mb, w in (
+            (40.0, None),
+            (28 / 2**20, None),
+            (24 / 2**20, weights[rank]),
+            (24 / 2**20, torch.tensor(weights[rank])),
+        ):
             homed_data = [torch.nn.Parameter(_data(rank, False)[i]) for i in keep]
             copied = [_data(rank, False)[i] for i in keep]
             base_h, base_c = (torch.arange(20, dtype=torch.float32) * (rank + 1) for _ in range(2))

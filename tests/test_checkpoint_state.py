@@ -19,11 +19,19 @@ from hdet_megatron.megatron import checkpointing as ckpt
 from hdet_megatron.megatron.checkpointing import HDETCheckpointError
 from hdet_megatron.megatron.layout import ArmLayout
 from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 SCHED = dict(
-    init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=2, lr_decay_steps=20,
-    lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=20,
+    init_lr=0.0,
+    max_lr=1e-3,
+    min_lr=1e-4,
+    lr_warmup_steps=2,
+    lr_decay_steps=20,
+    lr_decay_style="cosine",
+    start_wd=0.01,
+    end_wd=0.01,
+    wd_incr_steps=20,
     wd_incr_style="constant",
 )
 CONFIG = HDETConfig(period=4, axes=(Axis("lr", 0.2),), temperature=0.05)
@@ -32,9 +40,18 @@ CONFIG = HDETConfig(period=4, axes=(Axis("lr", 0.2),), temperature=0.05)
 def layout(num_arms=2, dp_size=2, arm=1):
     per = dp_size // num_arms
     return ArmLayout(
-        num_arms=num_arms, arm=arm, dp_size=dp_size, dp_rank=arm * per, replicas_per_arm=per,
-        arm_ranks=(arm,), cross_arm_ranks=tuple(range(num_arms)), arm_group=None,
-        cross_arm_group=None, loss_group=None, is_loss_reporter=True, is_last_stage=True,
+        num_arms=num_arms,
+        arm=arm,
+        dp_size=dp_size,
+        dp_rank=arm * per,
+        replicas_per_arm=per,
+        arm_ranks=(arm,),
+        cross_arm_ranks=tuple(range(num_arms)),
+        arm_group=None,
+        cross_arm_group=None,
+        loss_group=None,
+        is_loss_reporter=True,
+        is_last_stage=True,
     )
 
 

@@ -35,9 +35,9 @@ def test_tp2_pp2_dp2_resume_in_new_processes_is_bit_exact(tmp_path):
     saves = {"mp": {4: FORMATS, 5: FORMATS}, "distopt": {5: FORMATS}}
     runs = [("mp", mp), ("distopt", distopt), ("mp_converge", mp)]
     # World 1: the uninterrupted runs that save (and one that only converges at iteration 5).
-    saved_mp, saved_distopt, converged = zip(*run_world(
-        8, train_and_save, runs, str(tmp_path), saves, {"mp_converge": (5,)}, timeout=600
-    ))
+    saved_mp, saved_distopt, converged = zip(
+        *run_world(8, train_and_save, runs, str(tmp_path), saves, {"mp_converge": (5,)}, timeout=600)
+    )
     # Saving changes nothing but the forced converge: identical to a run that converged at 5.
     for a, b in zip(saved_mp, converged):
         assert a["losses"] == b["losses"] and a["params"] == b["params"]

@@ -134,9 +134,17 @@ def test_axes_from_strings():
     [
         HDETConfig(),
         HDETConfig(
-            period=250, arms=4, grad_sync="arm", temperature="auto", rule="paper", seed=7,
+            period=250,
+            arms=4,
+            grad_sync="arm",
+            temperature="auto",
+            rule="paper",
+            seed=7,
             axes=(Axis("lr:embedding", 0.2, kind="log", min=1e-6), Axis("dropout", 0.05, min=0.0, max=0.3)),
-            scale_bounds=(0.1, 10.0), nonfinite="raise", rollback=True, auto_start=1000,
+            scale_bounds=(0.1, 10.0),
+            nonfinite="raise",
+            rollback=True,
+            auto_start=1000,
         ),
     ],
 )

@@ -215,8 +215,9 @@ def test_neutral_controller_never_moves_the_scale(rule, temperature, kind):
         for window in range(100):
             base = 1e-3 * (1 - window / 100) + 1e-6  # decaying schedule
             losses = [3.0 + window * 1e-3] * n
-            up = ctl.update(losses, arm_spread(config, n, ctl.window), step=window * 1000,
-                            base_values={"lr": base})
+            up = ctl.update(
+                losses, arm_spread(config, n, ctl.window), step=window * 1000, base_values={"lr": base}
+            )
             assert up.deltas == {"lr": 0.0}
         assert ctl.scale("lr") == 1.0 and ctl.velocity("lr") == 0.0
 

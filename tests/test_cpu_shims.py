@@ -31,8 +31,10 @@ def _installed(rewrite):
     owner = importlib.import_module(rewrite.module)
     for part in rewrite.qualname.split(".")[:-1]:
         owner = getattr(owner, part)
-    return owner.__dict__[rewrite.qualname.split(".")[-1]] if isinstance(owner, type) else getattr(
-        owner, rewrite.qualname.split(".")[-1]
+    return (
+        owner.__dict__[rewrite.qualname.split(".")[-1]]
+        if isinstance(owner, type)
+        else getattr(owner, rewrite.qualname.split(".")[-1])
     )
 
 
@@ -88,8 +90,8 @@ def test_shim_cd_upstream_still_has_cuda_spelling(rewrite):
 
 def test_shim_cd_upstream_calls_fail_on_cpu():
     """Calling two upstream originals directly fails without CUDA; the shimmed ones work."""
-    from megatron.core.transformer import utils as tutils
     from megatron.core import utils as mutils
+    from megatron.core.transformer import utils as tutils
 
     original_mask = cpu.original_function("megatron.core.transformer.utils.get_default_causal_mask")
     with pytest.raises((AssertionError, RuntimeError)):

@@ -14,6 +14,7 @@ import pytest
 
 from hdet_megatron import corpus
 from hdet_megatron.megatron import data as D
+
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,8 +41,11 @@ def test_prepare_text_and_jsonl(tmp_path):
     a = _write(tmp_path / "c" / "a.txt", "first document\n\nstill the first")
     _write(tmp_path / "c" / "sub" / "b.md", "second ü")
     _write(tmp_path / "c" / "empty.txt", "   \n")
-    j = _write(tmp_path / "d.jsonl", "\n".join(json.dumps({"text": t, "id": i}) for i, t in
-                                              enumerate(["third", "fourth doc", "  "])) + "\n")
+    j = _write(
+        tmp_path / "d.jsonl",
+        "\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(["third", "fourth doc", "  "]))
+        + "\n",
+    )
     meta = D.prepare_indexed_dataset([str(tmp_path / "c"), str(j)], str(tmp_path / "out" / "corp"), log=None)
     prefix = meta["prefix"]
     assert prefix.endswith("corp_text_document")
@@ -110,8 +114,14 @@ def test_split_counts_and_sequence_checks(small_corpus):
 def test_megatron_gpt_dataset_and_sampler(small_corpus, tmp_path):
     meta, docs = small_corpus
     train, valid, test = D.build_gpt_datasets(
-        data_path=[meta["prefix"]], mock=False, split="80,10,10", seq_length=32, seed=7,
-        sizes=[64, 8, 8], tokenizer=D.ByteLevelTokenizer(), cache_path=str(tmp_path / "cache"),
+        data_path=[meta["prefix"]],
+        mock=False,
+        split="80,10,10",
+        seq_length=32,
+        seed=7,
+        sizes=[64, 8, 8],
+        tokenizer=D.ByteLevelTokenizer(),
+        cache_path=str(tmp_path / "cache"),
     )
     assert len(train) >= 64 and len(valid) >= 8 and len(test) >= 8
     sample = train[0]
@@ -166,10 +176,14 @@ def test_prepare_cli(tmp_path, capsys):
     empty = _write(tmp_path / "e.txt", "\n")
     assert prepare.main(["--input", str(empty), "--output-prefix", str(tmp_path / "o")]) == 2
     assert "prepare_data.py: error: the corpus has no text" in capsys.readouterr().err
-    assert prepare.main(["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", str(tmp_path / "o")]) == 2
+    assert (
+        prepare.main(["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", str(tmp_path / "o")]) == 2
+    )
     assert "no such file or directory" in capsys.readouterr().err
     good = _write(tmp_path / "g.jsonl", json.dumps({"content": "hello world"}) + "\n")
-    assert prepare.main(["--input", str(good), "--output-prefix", str(tmp_path / "g"),
-                         "--json-keys", "content"]) == 0
+    assert (
+        prepare.main(["--input", str(good), "--output-prefix", str(tmp_path / "g"), "--json-keys", "content"])
+        == 0
+    )
     assert "--data-path" in capsys.readouterr().out
     assert os.path.isfile(tmp_path / "g_text_document.idx")

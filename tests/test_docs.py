@@ -19,7 +19,10 @@ OUTSIDE = ("../shared", "/work/shared")
 def _files() -> list[Path]:
     out = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO, capture_output=True, text=True, check=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split("\n")
     return [REPO / name for name in out if name and (REPO / name).is_file()]
 
@@ -53,16 +56,21 @@ def test_docs_keep_the_controller_signals_table():
     section = text.split("## Controller signals", 1)[1].split("\n## ", 1)[0]
     header = next(line for line in section.splitlines() if line.startswith("|"))
     assert "signal" in header and "cost" in header
-    rows = [line.split("|")[1].strip() for line in section.splitlines()
-            if line.startswith("|") and not line.startswith("|---") and line != header]
+    rows = [
+        line.split("|")[1].strip()
+        for line in section.splitlines()
+        if line.startswith("|") and not line.startswith("|---") and line != header
+    ]
     assert "`train` (default)" in rows and "`probe`" in rows
 
 
 def test_links_stay_inside_the_repository():
     bad = []
     for path in _files():
-        if path.suffix not in (".md", ".py", ".sh", ".txt", ".toml", ".cfg", ".yml", ".yaml", "") \
-                and path.name != "Dockerfile":
+        if (
+            path.suffix not in (".md", ".py", ".sh", ".txt", ".toml", ".cfg", ".yml", ".yaml", "")
+            and path.name != "Dockerfile"
+        ):
             continue
         try:
             text = path.read_text()
@@ -95,4 +103,6 @@ def test_the_link_check_can_fail(tmp_path):
     page.write_text("# Title\n\n## A `code` heading (x)\n")
     assert _anchors(page) == {"title", "a-code-heading-x"}
     assert LINK.findall("see [a](../shared/DESIGN.md) and ![img](x.png) [b](docs/x.md#y)") == [
-        "../shared/DESIGN.md", "docs/x.md#y"]
+        "../shared/DESIGN.md",
+        "docs/x.md#y",
+    ]

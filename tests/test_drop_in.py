@@ -14,7 +14,7 @@ from tests import drop_in_cases as cases
 from tests.harness import run_world
 
 
-@pytest.mark.parametrize("case", cases.CASES, ids=lambda c: c.__name__[len("case_"):])
+@pytest.mark.parametrize("case", cases.CASES, ids=lambda c: c.__name__[len("case_") :])
 @pytest.mark.parametrize("mode", list(cases.MODES))
 def test_same_as_megatron_without_torch_distributed(mode, case):
     assert not dist.is_initialized()
@@ -39,8 +39,7 @@ def test_plain_scheduler_has_no_hdet_parts():
     with pytest.raises(HDETSetupError, match="hdet=None"):
         ours.set_window(1)
     with pytest.raises(HDETSetupError, match="hdet must be an HDETConfig or None"):
-        cases.HDETOptimizerParamScheduler(cases._optimizer([{"lr": 0.0}]), hdet={"period": 3},
-                                          **cases.BASE)
+        cases.HDETOptimizerParamScheduler(cases._optimizer([{"lr": 0.0}]), hdet={"period": 3}, **cases.BASE)
 
 
 def test_plain_scheduler_ignores_an_hdet_checkpoint():

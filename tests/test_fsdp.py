@@ -73,8 +73,13 @@ def test_fsdp_2_arms_x_2_shards_and_resume(tmp_path):
     scenarios = [plain, neutral, spread, arm]
     example = ["--steps", "6", "--period", "3", "--save-at", "0"]  # the README's example
     per_rank = run_world(
-        4, world_tasks, scenarios, grad_checks=[(2, "global"), (2, "arm")], errors=True,
-        example=example, timeout=300,
+        4,
+        world_tasks,
+        scenarios,
+        grad_checks=[(2, "global"), (2, "arm")],
+        errors=True,
+        example=example,
+        timeout=300,
     )
     runs = [[per_rank[r]["runs"][i] for r in range(4)] for i in range(len(scenarios))]
     plain_r, neutral_r, spread_r, arm_r = runs

@@ -97,8 +97,9 @@ def test_cpu_shims_leave_megatron_untouched_on_cuda():
     """In a fresh interpreter on a CUDA machine every function a shim would replace is
     megatron's own (its file, its CUDA spellings), the RNG tracker is upstream and the triton
     module is not stubbed."""
-    proc = subprocess.run([sys.executable, "-c", _UNTOUCHED], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNTOUCHED], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     # Every megatron.core rewrite is checked; megatron.training ones where importable.
@@ -117,9 +118,17 @@ def test_batch_iterator_moves_batches_to_the_device(device):
     same call with the CPU device)."""
     from hdet_megatron.megatron import data as D
 
-    samples = [{k: torch.full((8,), float(i) if k == "loss_mask" else i, dtype=torch.float32
-                              if k == "loss_mask" else torch.int64)
-                for k in ("tokens", "labels", "loss_mask", "position_ids")} for i in range(6)]
+    samples = [
+        {
+            k: torch.full(
+                (8,),
+                float(i) if k == "loss_mask" else i,
+                dtype=torch.float32 if k == "loss_mask" else torch.int64,
+            )
+            for k in ("tokens", "labels", "loss_mask", "position_ids")
+        }
+        for i in range(6)
+    ]
     sampler = D.PretrainingSampler(len(samples), 0, micro_batch_size=2, dp_rank=1, dp_size=2)
     batches = list(D.batch_iterator(samples, sampler, device))
     assert len(batches) == 1 + (len(samples) - 4) // 4
@@ -193,8 +202,9 @@ def test_module_axes_drive_transformer_engine_attention():
 
     heads, dim, seq, batch = 4, 32, 64, 2
     torch.manual_seed(0)
-    attn = te.DotProductAttention(heads, dim, attention_dropout=0.2, attn_mask_type="causal",
-                                  qkv_format="sbhd").cuda()
+    attn = te.DotProductAttention(
+        heads, dim, attention_dropout=0.2, attn_mask_type="causal", qkv_format="sbhd"
+    ).cuda()
     q, k, v = (torch.randn(seq, batch, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 
     def reference(scale: float) -> torch.Tensor:
@@ -246,8 +256,18 @@ def test_module_axes_drive_transformer_engine_attention():
 def _torchrun(tmp_path, *args: str, nproc: int = 2, timeout: float = 300) -> list[dict]:
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(nproc), os.path.join(ROOT, "tests", "gpu_worker.py"), args[0], str(out), *args[1:]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        os.path.join(ROOT, "tests", "gpu_worker.py"),
+        args[0],
+        str(out),
+        *args[1:],
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
@@ -310,7 +330,8 @@ def pretrain_gpt():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "pretrain_gpt_device_flags", os.path.join(ROOT, "examples", "pretrain_gpt", "pretrain_gpt.py"))
+        "pretrain_gpt_device_flags", os.path.join(ROOT, "examples", "pretrain_gpt", "pretrain_gpt.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -343,15 +364,26 @@ def test_example_device_flags_on_a_gpu_machine(pretrain_gpt):
     assert pg.resolve_device(args) == "cuda"
     args, _ = pg.parse_args(["--mock-data", "--distributed-backend", "gloo"], world_size=2)
     assert pg.resolve_device(args) == "cpu"  # as before --device existed
-    args, _ = pg.parse_args(["--mock-data", "--distributed-backend", "gloo", "--device", "cuda"], world_size=2)
+    args, _ = pg.parse_args(
+        ["--mock-data", "--distributed-backend", "gloo", "--device", "cuda"], world_size=2
+    )
     assert pg.resolve_device(args) == "cuda"
     assert "nccl needs CUDA" in _usage_error(pg, ["--device", "cpu", "--distributed-backend", "nccl"])
     if _te_available():
-        args, _ = pg.parse_args(["--mock-data", "--transformer-impl", "transformer_engine", "--bf16",
-                                 "--use-distributed-optimizer"], world_size=1)
+        args, _ = pg.parse_args(
+            [
+                "--mock-data",
+                "--transformer-impl",
+                "transformer_engine",
+                "--bf16",
+                "--use-distributed-optimizer",
+            ],
+            world_size=1,
+        )
         assert args.transformer_impl == "transformer_engine"
-        assert "runs on CUDA only" in _usage_error(pg, ["--transformer-impl", "transformer_engine",
-                                                        "--device", "cpu"])
+        assert "runs on CUDA only" in _usage_error(
+            pg, ["--transformer-impl", "transformer_engine", "--device", "cpu"]
+        )
 
 
 def test_gloo_cuda_adapter_matches_torch_on_cpu():

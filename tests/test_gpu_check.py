@@ -26,8 +26,9 @@ def dry_run(tmp_path_factory):
     fake_python.chmod(0o755)
     out = tmp / "out"
     env = dict(os.environ, OUT=str(out), PYTHON=str(fake_python))
-    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True,
-                          timeout=60, cwd=REPO, env=env)
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, timeout=60, cwd=REPO, env=env
+    )
     return proc, marker, out, str(fake_python)
 
 
@@ -74,7 +75,7 @@ def test_dry_run_commands_match_the_scripts_they_call(dry_run):
     for name in ("example_1rank", "example_hdet", "example_plain"):
         argv = cmds[name]
         script = argv.index("examples/pretrain_gpt/pretrain_gpt.py")
-        flags = [a for a in argv[script + 1:] if a.startswith("--")]
+        flags = [a for a in argv[script + 1 :] if a.startswith("--")]
         assert set(flags) <= example_flags, set(flags) - example_flags
         joined = " ".join(argv)
         assert "--transformer-impl transformer_engine --bf16 --use-distributed-optimizer" in joined
@@ -87,7 +88,7 @@ def test_dry_run_commands_match_the_scripts_they_call(dry_run):
     assert "--no-hdet" in cmds["example_plain"] and "--no-hdet" not in cmds["example_hdet"]
     for name, path in (("converge", "benchmarks/gpu_converge.py"), ("overhead", "benchmarks/overhead.py")):
         argv = cmds[name]
-        flags = {a for a in argv[argv.index(path) + 1:] if a.startswith("--")}
+        flags = {a for a in argv[argv.index(path) + 1 :] if a.startswith("--")}
         assert flags <= _script_flags(REPO / path), (name, flags - _script_flags(REPO / path))
         assert f"--out {out}" in " ".join(argv)
     assert "--gb 1 4" in " ".join(cmds["converge"])
@@ -100,12 +101,13 @@ def test_the_example_parser_accepts_the_dry_run_flags(dry_run):
 
     proc, *_ = dry_run
     spec = importlib.util.spec_from_file_location(
-        "pretrain_gpt_for_gpu_check", REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py")
+        "pretrain_gpt_for_gpu_check", REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py"
+    )
     pg = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pg)
     for name in ("example_1rank", "example_hdet", "example_plain"):
         argv = _commands(proc.stdout)[name]
-        args = pg.build_parser().parse_args(argv[argv.index("examples/pretrain_gpt/pretrain_gpt.py") + 1:])
+        args = pg.build_parser().parse_args(argv[argv.index("examples/pretrain_gpt/pretrain_gpt.py") + 1 :])
         assert args.bf16 and args.use_distributed_optimizer and args.transformer_impl == "transformer_engine"
 
 

@@ -99,7 +99,7 @@ def _cycle(edges: dict[str, set[str]]):
         stack.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:
@@ -136,8 +136,15 @@ def test_the_check_finds_circles(tmp_path):
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
     lazy = tmp_path / "lazy.py"
-    lazy.write_text("def f():\n    from hdet_megatron.megatron import scheduler\n    from .ckpt import state\n")
-    modules = {"hdet_megatron.megatron.scheduler": lazy, "hdet_megatron.megatron.ckpt.state": lazy,
-               "hdet_megatron.megatron.lazy": lazy}
+    lazy.write_text(
+        "def f():\n    from hdet_megatron.megatron import scheduler\n    from .ckpt import state\n"
+    )
+    modules = {
+        "hdet_megatron.megatron.scheduler": lazy,
+        "hdet_megatron.megatron.ckpt.state": lazy,
+        "hdet_megatron.megatron.lazy": lazy,
+    }
     assert _imports("hdet_megatron.megatron.lazy", lazy, modules) == {
-        "hdet_megatron.megatron.scheduler", "hdet_megatron.megatron.ckpt.state"}
+        "hdet_megatron.megatron.scheduler",
+        "hdet_megatron.megatron.ckpt.state",
+    }

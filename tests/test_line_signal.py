@@ -57,7 +57,8 @@ def test_fit_line_corrects_the_slope_by_the_noise_floor_share():
     # Pseudo-losses follow the arms' own multipliers (a permuted window).
     perm = [1.1, 0.7, 1.3, 0.9]
     assert fit_line(RHO, losses, perm, 0.0).pseudo_losses == pytest.approx(
-        [quad(a, g - q / 2, q)(r - 1) for r in perm], abs=1e-12)
+        [quad(a, g - q / 2, q)(r - 1) for r in perm], abs=1e-12
+    )
     # A concave fit is not corrected (no noise-floor preference to remove).
     concave = fit_line(RHO, [quad(a, g, -q)(r - 1) for r in RHO], RHO, 0.0)
     assert concave.corrected_slope == pytest.approx(g, abs=1e-12)
@@ -127,13 +128,20 @@ def test_newton_and_line_need_three_arms_and_line_its_setting():
 
 # -- the budget NQM: short-horizon bias, and the line signal without it ---------------------------
 
-LINE = HDETConfig(period=20, axes=(Axis("lr", 0.3),), temperature="auto", signal="line",
-                  rule="newton", meta_lr=1.0, momentum=0.5)
+LINE = HDETConfig(
+    period=20,
+    axes=(Axis("lr", 0.3),),
+    temperature="auto",
+    signal="line",
+    rule="newton",
+    meta_lr=1.0,
+    momentum=0.5,
+)
 TODAY = {
-    "train": HDETConfig(period=20, axes=(Axis("lr", 0.3),), temperature="auto", meta_lr=0.5,
-                        momentum=0.5),
-    "probe": HDETConfig(period=20, axes=(Axis("lr", 0.3),), temperature="auto", meta_lr=0.5,
-                        momentum=0.5, signal="probe"),
+    "train": HDETConfig(period=20, axes=(Axis("lr", 0.3),), temperature="auto", meta_lr=0.5, momentum=0.5),
+    "probe": HDETConfig(
+        period=20, axes=(Axis("lr", 0.3),), temperature="auto", meta_lr=0.5, momentum=0.5, signal="probe"
+    ),
 }
 
 
@@ -182,8 +190,21 @@ def test_budget_sim_scales_to_many_replicas_and_validates():
 def test_cli_simulate_budget_shows_the_bias_and_the_fix(capsys):
     from hdet_megatron.cli import main
 
-    common = ["simulate", "--problem", "budget", "--period", "20", "--spread", "0.3",
-              "--momentum", "0.5", "--base-lr-factor", "0.25", "--every", "50"]
+    common = [
+        "simulate",
+        "--problem",
+        "budget",
+        "--period",
+        "20",
+        "--spread",
+        "0.3",
+        "--momentum",
+        "0.5",
+        "--base-lr-factor",
+        "0.25",
+        "--every",
+        "50",
+    ]
     assert main(common + ["--signal", "probe"]) == 0
     probe = capsys.readouterr().out
     assert main(common + ["--signal", "line", "--rule", "newton", "--meta-lr", "1"]) == 0

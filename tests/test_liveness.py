@@ -59,12 +59,17 @@ def _watcher(mod, port: int, timeout: float, interval: float):
         exits.append((time.monotonic(), code))
         done.set()
 
-    live = mod.Liveness(timeout, prog="test", interval=interval, exit=fake_exit,
-                        status=lambda: "at iteration 7")
+    live = mod.Liveness(
+        timeout, prog="test", interval=interval, exit=fake_exit, status=lambda: "at iteration 7"
+    )
     me = live.listen(rank=0, node=0, name="0", addr="127.0.0.1")
     other = mod.Peer(rank=2, node=1, name="1", host="hostB", addr="127.0.0.1", port=port, pid=0)
-    peers = [me, mod.Peer(1, 0, "0", me.host, "127.0.0.1", me.port, 0), other,
-             mod.Peer(3, 1, "1", "hostB", "127.0.0.1", port, 0)]
+    peers = [
+        me,
+        mod.Peer(1, 0, "0", me.host, "127.0.0.1", me.port, 0),
+        other,
+        mod.Peer(3, 1, "1", "hostB", "127.0.0.1", port, 0),
+    ]
     return live, peers, exits, done
 
 
@@ -104,10 +109,12 @@ def test_gone_node_is_reported_within_two_pings_and_diagnosed(peer, capfd, monke
     err_text = "[/x/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1. This..."
     assert live.diagnose(RuntimeError(err_text)) is True
     line = capfd.readouterr().err.strip()
-    assert line == ("test: error: lost node 1 (host hostB, ranks 2,3): its processes are gone "
-                    "(connection refused) at iteration 7; node 0 stops (a collective failed: "
-                    "Connection closed by peer [127.0.0.1]:1). Relaunch every node to resume "
-                    "from the last checkpoint")
+    assert line == (
+        "test: error: lost node 1 (host hostB, ranks 2,3): its processes are gone "
+        "(connection refused) at iteration 7; node 0 stops (a collective failed: "
+        "Connection closed by peer [127.0.0.1]:1). Relaunch every node to resume "
+        "from the last checkpoint"
+    )
     # the heartbeat thread of another watcher: two refused pings, well before the 30 s timeout
     live2, peers2, exits2, done2 = _watcher(mod, port, timeout=30, interval=0.3)
     start = time.monotonic()
@@ -119,7 +126,8 @@ def test_gone_node_is_reported_within_two_pings_and_diagnosed(peer, capfd, monke
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert live.line([(peers[2], "x")], "y").endswith(
-        "node 0 stops (y). torchrun restarts the workers, which resume from the last checkpoint")
+        "node 0 stops (y). torchrun restarts the workers, which resume from the last checkpoint"
+    )
     live.stop()
     live2.stop()
 

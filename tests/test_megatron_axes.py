@@ -83,8 +83,7 @@ def _axes_world(rank, world_size):
             base_scale = 1.0 / (setup.hidden_size // setup.num_attention_heads) ** 0.5
             assert {m.softmax_scale for m in attn} == {base_scale / tau}
             records.append(
-                {"lr": lr_of, "hidden": hidden.pop(), "attn": attn_p.pop(), "tau": tau,
-                 "spread": spread}
+                {"lr": lr_of, "hidden": hidden.pop(), "attn": attn_p.pop(), "tau": tau, "spread": spread}
             )
             for _ in range(2):  # one window of training, then the next window's values
                 losses, _ = toy.train_step(setup, model, optimizer, data)
@@ -98,10 +97,13 @@ def _axes_world(rank, world_size):
         # Attention temperature: the forward pass really uses it (eval mode, no dropout).
         model[0].eval()
         batch = next(toy.synthetic_batches(setup, seed=5))
+
         def forward():
             with torch.no_grad():
-                return model[0](batch["tokens"], batch["position_ids"], attention_mask=None,
-                                labels=batch["labels"]).clone()
+                return model[0](
+                    batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"]
+                ).clone()
+
         with_hdet = forward()
         attn = [m for m in model[0].modules() if type(m).__name__ == "DotProductAttention"]
         current_scale = attn[0].softmax_scale

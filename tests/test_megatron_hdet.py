@@ -59,6 +59,7 @@ def check_hdet_run(sc: Scenario, results: list[dict]) -> None:
         assert diverged_somewhere, "arms never diverged inside a window"
     # 3. The controller update is the same on every rank of the world...
     assert len(results[0]["history"]) == len(converged_steps)
+
     def controller_view(r):  # converge bytes differ per shard; the controller must not
         return [{k: v for k, v in h.items() if "bytes" not in k} for h in r["history"]]
 

@@ -23,9 +23,9 @@ def params_digest(model) -> str:
 
 
 def _smoke(rank, world_size, tp, pp, steps, dist_opt=False):
-    from megatron.core import parallel_state as ps
-
     from hdet_megatron.megatron import toy
+
+    from megatron.core import parallel_state as ps
 
     setup = toy.ToyGPTSetup(tp=tp, pp=pp, num_layers=2 * pp, use_distributed_optimizer=dist_opt)
     with toy.parallel(setup):

@@ -43,13 +43,34 @@ NODE_TIMEOUT = 60  # --node-timeout of these runs (the default; a loaded 2-core 
 
 # The tiny model of every run here: 12 iterations, a window of 3, a checkpoint every 4.
 TINY = {
-    "TP": "2", "PP": "1", "MOCK": "1", "BACKEND": "gloo", "TRANSFORMER_IMPL": "local",
-    "NUM_LAYERS": "2", "HIDDEN": "32", "HEADS": "4", "SEQ": "32", "MBS": "2", "GBS": "8",
-    "TRAIN_ITERS": "12", "WARMUP": "2", "LR": "3e-3", "MIN_LR": "3e-4",
-    "HDET_PERIOD": "3", "HDET_SPREAD": "0.3",
+    "TP": "2",
+    "PP": "1",
+    "MOCK": "1",
+    "BACKEND": "gloo",
+    "TRANSFORMER_IMPL": "local",
+    "NUM_LAYERS": "2",
+    "HIDDEN": "32",
+    "HEADS": "4",
+    "SEQ": "32",
+    "MBS": "2",
+    "GBS": "8",
+    "TRAIN_ITERS": "12",
+    "WARMUP": "2",
+    "LR": "3e-3",
+    "MIN_LR": "3e-4",
+    "HDET_PERIOD": "3",
+    "HDET_SPREAD": "0.3",
 }
-EXTRA = ["--eval-iters", "0", "--log-interval", "1", "--save-interval", "4",
-         "--node-timeout", str(NODE_TIMEOUT)]
+EXTRA = [
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+    "--save-interval",
+    "4",
+    "--node-timeout",
+    str(NODE_TIMEOUT),
+]
 LOST = re.compile(r"pretrain_gpt\.py: error: lost node (\d+) \(host \S+, ranks ([\d,\-]+)\): (.*)")
 
 
@@ -62,9 +83,16 @@ def free_port() -> int:
 def base_env(port: int, **more: str) -> dict:
     env = dict(os.environ)
     env.update(
-        NNODES="2", GPUS_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        LOCAL_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore", PYTHON=sys.executable, RDZV_ID=f"test-{port}",
+        NNODES="2",
+        GPUS_PER_NODE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        LOCAL_ADDR="127.0.0.1",
+        GLOO_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        PYTHON=sys.executable,
+        RDZV_ID=f"test-{port}",
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
     )
     env.update(more)
@@ -91,8 +119,12 @@ class Node:
         self.log = log
         self._fh = open(log, "w")
         self.proc = subprocess.Popen(
-            ["bash", str(script), *args], cwd=REPO, env=dict(env, NODE_RANK=str(node_rank)),
-            stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True,
+            ["bash", str(script), *args],
+            cwd=REPO,
+            env=dict(env, NODE_RANK=str(node_rank)),
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def tree(self) -> list[int]:
@@ -190,14 +222,20 @@ def reference(tmp_path_factory):
     save = tmp / "ckpt"
     started: list[Node] = []
     try:
-        pair = launch_pair(started, RUN_MULTINODE, base_env(free_port(), SAVE=str(save), **TINY),
-                           EXTRA, "ref", tmp)
+        pair = launch_pair(
+            started, RUN_MULTINODE, base_env(free_port(), SAVE=str(save), **TINY), EXTRA, "ref", tmp
+        )
         # Which ranks each node holds (torchrun numbers the nodes in rendezvous order).
         wait_for(lambda: all(len(n.workers()) == 2 for n in pair), pair, 300, "2 workers per node")
         layout = [sorted(n.workers()) for n in pair]
         codes = [n.wait(300) for n in pair]
-        return {"save": save, "codes": codes, "layout": layout, "logs": [n.text() for n in pair],
-                "records": read_metrics(str(save))}
+        return {
+            "save": save,
+            "codes": codes,
+            "layout": layout,
+            "logs": [n.text() for n in pair],
+            "records": read_metrics(str(save)),
+        }
     finally:
         for n in started:
             if n.proc.poll() is None:
@@ -216,7 +254,13 @@ def test_two_nodes_train_converge_save(reference):
     assert "HDET on: 2 arms over DP2, period 3" in rank0_log and "done: 12 iterations" in rank0_log
     records = reference["records"]
     run = records[0]
-    assert run["type"] == "run" and (run["tp"], run["pp"], run["dp"], run["arms"], run["world"]) == (2, 1, 2, 2, 4)
+    assert run["type"] == "run" and (run["tp"], run["pp"], run["dp"], run["arms"], run["world"]) == (
+        2,
+        1,
+        2,
+        2,
+        4,
+    )
     steps = last_steps(records)
     assert sorted(steps) == list(range(1, 13))
     for it, s in steps.items():
@@ -225,7 +269,9 @@ def test_two_nodes_train_converge_save(reference):
             assert s["arm_lrs"][0] != s["arm_lrs"][1]
     windows = [(w["iteration"], w["forced"]) for w in records if w["type"] == "window"]
     assert windows == [(3, False), (4, True), (7, False), (8, True), (11, False), (12, True)]
-    assert all(len(w["arm_losses"]) == 2 and w["converge_bytes"] > 0 for w in records if w["type"] == "window")
+    assert all(
+        len(w["arm_losses"]) == 2 and w["converge_bytes"] > 0 for w in records if w["type"] == "window"
+    )
     assert steps[12]["loss"] < steps[1]["loss"] - 0.2  # it learned
     save = reference["save"]
     assert tracker(save) == "12"
@@ -240,8 +286,9 @@ def test_node_loss_then_relaunch_and_elastic_restart(reference, nodes, tmp_path)
 
     # 1. Both nodes train; right after the checkpoint of iteration 4 (mid-window: windows end at
     #    3, 4 (forced by the save), 7), node 1 is lost: its agent and workers are SIGKILLed.
-    pair = launch_pair(nodes, RUN_MULTINODE, base_env(free_port(), SAVE=str(save), **TINY), EXTRA,
-                       "loss", tmp_path)
+    pair = launch_pair(
+        nodes, RUN_MULTINODE, base_env(free_port(), SAVE=str(save), **TINY), EXTRA, "loss", tmp_path
+    )
     wait_for(lambda: len(pair[1].workers()) == 2, pair, 300, "node 1's workers")
     lost_ranks, victims = sorted(pair[1].workers()), pair[1].tree()
     wait_for(lambda: tracker(save) == "4", pair, 300, "the checkpoint of iteration 4")
@@ -272,9 +319,14 @@ def test_node_loss_then_relaunch_and_elastic_restart(reference, nodes, tmp_path)
 
     # 3. Relaunch both nodes with MAX_RESTARTS=1; after the checkpoint of iteration 8, one worker
     #    is killed: torchrun restarts the workers of both nodes, which resume from iteration 8.
-    pair = launch_pair(nodes, RUN_MULTINODE,
-                       base_env(free_port(), SAVE=str(save), MAX_RESTARTS="1", **TINY), EXTRA,
-                       "relaunch", tmp_path)
+    pair = launch_pair(
+        nodes,
+        RUN_MULTINODE,
+        base_env(free_port(), SAVE=str(save), MAX_RESTARTS="1", **TINY),
+        EXTRA,
+        "relaunch",
+        tmp_path,
+    )
     wait_for(lambda: len(pair[1].workers()) == 2, pair, 300, "node 1's workers")
     workers = pair[1].workers()
     wait_for(lambda: tracker(save) == "8", pair, 300, "the checkpoint of iteration 8")
@@ -313,10 +365,29 @@ def test_patched_megatron_loop_two_nodes(nodes, tmp_path):
     applied = run_apply("--target", str(overlay))
     assert applied.returncode == 0, applied.stdout + applied.stderr
     ckpt = tmp_path / "ckpt"
-    env = base_env(free_port(), PYTHONPATH=str(overlay), TP="2", CKPT_DIR=str(ckpt),
-                   TRAIN_ITERS="6", GLOBAL_BATCH="8", MICRO_BATCH="2")
-    args = [*CPU_FLAGS, *TINY_GPT, "--train-iters", "6", "--lr-decay-iters", "12",
-            "--hdet-period", "2", "--hdet-spread", "0.5", "--save-interval", "4"]
+    env = base_env(
+        free_port(),
+        PYTHONPATH=str(overlay),
+        TP="2",
+        CKPT_DIR=str(ckpt),
+        TRAIN_ITERS="6",
+        GLOBAL_BATCH="8",
+        MICRO_BATCH="2",
+    )
+    args = [
+        *CPU_FLAGS,
+        *TINY_GPT,
+        "--train-iters",
+        "6",
+        "--lr-decay-iters",
+        "12",
+        "--hdet-period",
+        "2",
+        "--hdet-spread",
+        "0.5",
+        "--save-interval",
+        "4",
+    ]
     pair = launch_pair(nodes, HDET_SH, env, args, "hdet", tmp_path)
     codes = [n.wait(400) for n in pair]
     logs = [n.text() for n in pair]
@@ -358,17 +429,32 @@ def test_sbatch_environment_with_stub_slurm(tmp_path):
     repo = tmp_path / "repo"
     (repo / "examples" / "pretrain_gpt").mkdir(parents=True)
     (repo / "examples" / "pretrain_gpt" / "run_multinode.sh").write_text(_STUB_LAUNCHER)
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path),
-           "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu-[07-08]",
-           "SLURM_JOB_NAME": "hdet-gpt", "SLURM_SUBMIT_DIR": str(repo), "SLURM_GPUS_ON_NODE": "4"}
-    r = subprocess.run(["bash", str(SBATCH), "--hdet-period", "50"], env=env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=60)
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "HOME": str(tmp_path),
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NTASKS": "2",
+        "SLURM_JOB_NODELIST": "gpu-[07-08]",
+        "SLURM_JOB_NAME": "hdet-gpt",
+        "SLURM_SUBMIT_DIR": str(repo),
+        "SLURM_GPUS_ON_NODE": "4",
+    }
+    r = subprocess.run(
+        ["bash", str(SBATCH), "--hdet-period", "50"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.strip().splitlines()
     assert lines[0] == "srun --kill-on-bad-exit=1"
     for rank, line in enumerate(lines[1:]):
-        assert line == (f"task pwd={repo} NNODES=2 NODE_RANK={rank} MASTER_ADDR=gpu-07 MASTER_PORT=29500 "
-                        f"GPUS_PER_NODE=4 SAVE={repo}/checkpoints/hdet-gpt-hdet-gpt args=--hdet-period 50")
+        assert line == (
+            f"task pwd={repo} NNODES=2 NODE_RANK={rank} MASTER_ADDR=gpu-07 MASTER_PORT=29500 "
+            f"GPUS_PER_NODE=4 SAVE={repo}/checkpoints/hdet-gpt-hdet-gpt args=--hdet-period 50"
+        )
     assert len(lines) == 3
 
 
@@ -404,8 +490,10 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 def _slurm_missing() -> str:
     missing = [b for b in ("slurmctld", "slurmd", "sbatch", "sinfo", "scontrol") if not shutil.which(b)]
     if missing:
-        return (f"Slurm is not installed ({', '.join(missing)} missing; Debian/Ubuntu: "
-                "apt-get install slurm-wlm); the sbatch environment is covered by the stub test")
+        return (
+            f"Slurm is not installed ({', '.join(missing)} missing; Debian/Ubuntu: "
+            "apt-get install slurm-wlm); the sbatch environment is covered by the stub test"
+        )
     if os.geteuid() != 0:
         return "a single-host Slurm needs root here (slurmd launches the job's tasks)"
     return ""
@@ -418,16 +506,29 @@ def test_sbatch_under_single_host_slurm(tmp_path):
     (d / "state").mkdir(parents=True)
     (d / "spool").mkdir()
     conf = d / "slurm.conf"
-    conf.write_text(SLURM_CONF.format(host=socket.gethostname().split(".")[0], d=d,
-                                      ctld_port=free_port(), d_port=free_port()))
+    conf.write_text(
+        SLURM_CONF.format(
+            host=socket.gethostname().split(".")[0], d=d, ctld_port=free_port(), d_port=free_port()
+        )
+    )
     env = base_env(free_port(), SLURM_CONF=str(conf), SAVE=str(tmp_path / "ckpt"), **TINY)
     env["TRAIN_ITERS"] = "4"
     env.pop("NNODES")  # the sbatch file sets it (from the tasks)
     daemons = [
-        subprocess.Popen(["slurmctld", "-D", "-i", "-f", str(conf)], env=env, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.STDOUT, start_new_session=True),
-        subprocess.Popen(["slurmd", "-D", "-N", "localhost", "-f", str(conf)], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True),
+        subprocess.Popen(
+            ["slurmctld", "-D", "-i", "-f", str(conf)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        ),
+        subprocess.Popen(
+            ["slurmd", "-D", "-N", "localhost", "-f", str(conf)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        ),
     ]
     try:
         end = time.monotonic() + 60
@@ -435,14 +536,31 @@ def test_sbatch_under_single_host_slurm(tmp_path):
             r = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True)
             if r.stdout.strip() == "idle":
                 break
-            assert time.monotonic() < end, f"Slurm did not come up: {r.stdout}{r.stderr}\n" + \
-                "".join(p.read_text() for p in d.glob("*.log"))
+            assert time.monotonic() < end, f"Slurm did not come up: {r.stdout}{r.stderr}\n" + "".join(
+                p.read_text() for p in d.glob("*.log")
+            )
             time.sleep(0.3)
         out = tmp_path / "job.out"
         r = subprocess.run(
-            ["sbatch", "--wait", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--cpus-per-task=1",
-             "--gpus-per-node=0", "--time=10", f"--output={out}", "--export=ALL", str(SBATCH), *EXTRA],
-            env=dict(env, REPO=str(REPO)), cwd=tmp_path, capture_output=True, text=True, timeout=600,
+            [
+                "sbatch",
+                "--wait",
+                "--nodes=1",
+                "--ntasks=2",
+                "--ntasks-per-node=2",
+                "--cpus-per-task=1",
+                "--gpus-per-node=0",
+                "--time=10",
+                f"--output={out}",
+                "--export=ALL",
+                str(SBATCH),
+                *EXTRA,
+            ],
+            env=dict(env, REPO=str(REPO)),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         text = out.read_text() if out.exists() else ""
         assert r.returncode == 0, r.stdout + r.stderr + text[-5000:]

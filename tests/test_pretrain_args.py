@@ -41,8 +41,19 @@ def parse(pg, argv, world=4):
 
 
 def test_defaults_and_derived_values(pg, data):
-    args, hdet = parse(pg, ["--data-path", data, "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
-                            "--global-batch-size", "8"])
+    args, hdet = parse(
+        pg,
+        [
+            "--data-path",
+            data,
+            "--tensor-model-parallel-size",
+            "2",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "8",
+        ],
+    )
     assert args.data_parallel_size == 2 and args.num_microbatches == 2
     assert args.tokenizer_type == "ByteLevel"  # taken from the dataset's sidecar
     assert args.max_position_embeddings == args.seq_length and args.ffn_hidden_size == 4 * args.hidden_size
@@ -54,15 +65,53 @@ def test_defaults_and_derived_values(pg, data):
 
 
 def test_hdet_flags_cover_every_config_field(pg, data):
-    argv = ["--data-path", data, "--hdet-period", "7", "--hdet-arms", "2", "--hdet-grad-sync", "arm",
-            "--hdet-axis", "lr:0.3", "--hdet-axis", "weight_decay:0.5:0:1", "--hdet-spread-kind", "log",
-            "--no-hdet-auto", "--hdet-auto-start", "5", "--hdet-temperature", "auto", "--hdet-meta-lr", "0.2",
-            "--hdet-momentum", "0.5", "--hdet-scale-bounds", "0.1", "10", "--hdet-rule", "paper",
-            "--hdet-seed", "3", "--hdet-bucket-mb", "8", "--no-hdet-home-main-params",
-            "--no-hdet-converge-on-save",
-            "--hdet-nonfinite", "raise", "--hdet-rollback", "--hdet-signal", "probe"]
+    argv = [
+        "--data-path",
+        data,
+        "--hdet-period",
+        "7",
+        "--hdet-arms",
+        "2",
+        "--hdet-grad-sync",
+        "arm",
+        "--hdet-axis",
+        "lr:0.3",
+        "--hdet-axis",
+        "weight_decay:0.5:0:1",
+        "--hdet-spread-kind",
+        "log",
+        "--no-hdet-auto",
+        "--hdet-auto-start",
+        "5",
+        "--hdet-temperature",
+        "auto",
+        "--hdet-meta-lr",
+        "0.2",
+        "--hdet-momentum",
+        "0.5",
+        "--hdet-scale-bounds",
+        "0.1",
+        "10",
+        "--hdet-rule",
+        "paper",
+        "--hdet-seed",
+        "3",
+        "--hdet-bucket-mb",
+        "8",
+        "--no-hdet-home-main-params",
+        "--no-hdet-converge-on-save",
+        "--hdet-nonfinite",
+        "raise",
+        "--hdet-rollback",
+        "--hdet-signal",
+        "probe",
+    ]
     _, hdet = parse(pg, argv)
-    changed = {f.name for f in dataclasses.fields(HDETConfig) if getattr(hdet, f.name) != getattr(HDETConfig(), f.name)}
+    changed = {
+        f.name
+        for f in dataclasses.fields(HDETConfig)
+        if getattr(hdet, f.name) != getattr(HDETConfig(), f.name)
+    }
     assert changed == {f.name for f in dataclasses.fields(HDETConfig)}
     assert hdet.period == 7 and hdet.axes[0].kind == "log" and hdet.scale_bounds == (0.1, 10.0)
 
@@ -72,23 +121,45 @@ def test_hdet_flags_cover_every_config_field(pg, data):
     [
         ([], 4, "missing data path: give --data-path"),
         (["--data-path", "/nonexistent/corpus"], 4, "data path '/nonexistent/corpus' not found: missing"),
-        (["--mock-data", "--tensor-model-parallel-size", "3"], 4,
-         "world size 4 is not divisible by TP x PP = 3 x 1 = 3"),
-        (["--mock-data", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 6,
-         "world size 6 is not divisible by TP x PP = 2 x 2 = 4"),
+        (
+            ["--mock-data", "--tensor-model-parallel-size", "3"],
+            4,
+            "world size 4 is not divisible by TP x PP = 3 x 1 = 3",
+        ),
+        (
+            ["--mock-data", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+            6,
+            "world size 6 is not divisible by TP x PP = 2 x 2 = 4",
+        ),
         (["--mock-data", "--no-hdet", "--hdet-period", "5"], 4, "--no-hdet conflicts with --hdet-period"),
         (["--mock-data", "--no-hdet", "--hdet-spread=0.2"], 4, "--no-hdet conflicts with --hdet-spread"),
         (["--mock-data", "--data-path", "x"], 4, "--mock-data conflicts with --data-path"),
-        (["--mock-data", "--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"], 4,
-         "--lr-warmup-fraction conflicts with --lr-warmup-iters"),
-        (["--mock-data", "--hdet-spread", "0.2", "--hdet-axis", "lr:0.1"], 4, "--hdet-spread and --hdet-axis conflict"),
+        (
+            ["--mock-data", "--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"],
+            4,
+            "--lr-warmup-fraction conflicts with --lr-warmup-iters",
+        ),
+        (
+            ["--mock-data", "--hdet-spread", "0.2", "--hdet-axis", "lr:0.1"],
+            4,
+            "--hdet-spread and --hdet-axis conflict",
+        ),
         (["--mock-data", "--hdet-arms", "3"], 4, "--hdet-arms 3 must divide the data-parallel size 4"),
-        (["--mock-data", "--micro-batch-size", "3", "--global-batch-size", "8"], 4,
-         "--global-batch-size 8 is not divisible by micro-batch-size x DP = 3 x 4"),
-        (["--mock-data", "--seq-length", "512", "--max-position-embeddings", "256"], 4,
-         "--seq-length 512 exceeds --max-position-embeddings 256"),
-        (["--mock-data", "--num-layers", "3", "--pipeline-model-parallel-size", "2"], 4,
-         "--num-layers 3 is not divisible by PP 2"),
+        (
+            ["--mock-data", "--micro-batch-size", "3", "--global-batch-size", "8"],
+            4,
+            "--global-batch-size 8 is not divisible by micro-batch-size x DP = 3 x 4",
+        ),
+        (
+            ["--mock-data", "--seq-length", "512", "--max-position-embeddings", "256"],
+            4,
+            "--seq-length 512 exceeds --max-position-embeddings 256",
+        ),
+        (
+            ["--mock-data", "--num-layers", "3", "--pipeline-model-parallel-size", "2"],
+            4,
+            "--num-layers 3 is not divisible by PP 2",
+        ),
         (["--mock-data", "--save-interval", "10"], 4, "--save-interval needs --save"),
         (["--mock-data", "--ckpt-step", "10"], 4, "--ckpt-step needs --load"),
         (["--mock-data", "--lr-warmup-iters", "300"], 4, "--lr-warmup-iters 300 must be smaller"),
@@ -107,7 +178,9 @@ def test_bad_input_is_a_clear_error(pg, argv, world, needle):
 def test_data_path_hint_and_tokenizer_mismatch(pg, data):
     with pytest.raises(pg.UsageError, match="did you mean --data-path .*corpus_text_document"):
         parse(pg, ["--data-path", data[: -len("_text_document")]])
-    with pytest.raises(pg.UsageError, match="prepared with the ByteLevel tokenizer, but --tokenizer-type GPT2BPETokenizer"):
+    with pytest.raises(
+        pg.UsageError, match="prepared with the ByteLevel tokenizer, but --tokenizer-type GPT2BPETokenizer"
+    ):
         parse(pg, ["--data-path", data, "--tokenizer-type", "GPT2BPETokenizer"])
 
 

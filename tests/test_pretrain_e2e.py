@@ -23,8 +23,10 @@ SCRIPT = REPO / "examples" / "pretrain_gpt" / "pretrain_gpt.py"
 PREPARE = REPO / "examples" / "pretrain_gpt" / "prepare_data.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
-WORDS = ("the model reads bytes and learns which byte comes next while arms train with "
-         "different learning rates and converge every few steps into one averaged model").split()
+WORDS = (
+    "the model reads bytes and learns which byte comes next while arms train with "
+    "different learning rates and converge every few steps into one averaged model"
+).split()
 
 
 def tiny_corpus(root: Path) -> list[str]:
@@ -57,18 +59,65 @@ def test_train_save_resume_report(tmp_path, capsys):
     finally:
         sys.path.pop(0)
     inputs = tiny_corpus(tmp_path / "corpus")
-    assert prepare_data.main(["--input", inputs[0], str(Path(inputs[1]) / "extra*.txt"),
-                              "--output-prefix", str(tmp_path / "data" / "tiny")]) == 0
+    assert (
+        prepare_data.main(
+            [
+                "--input",
+                inputs[0],
+                str(Path(inputs[1]) / "extra*.txt"),
+                "--output-prefix",
+                str(tmp_path / "data" / "tiny"),
+            ]
+        )
+        == 0
+    )
     data = str(tmp_path / "data" / "tiny_text_document")
 
     common = [
-        "--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
-        "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
-        "--global-batch-size", "8", "--train-iters", "8", "--lr", "3e-3", "--min-lr", "3e-4",
-        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--data-path", data,
-        "--split", "80,10,10", "--eval-interval", "4", "--eval-iters", "2", "--log-interval", "2",
-        "--hidden-dropout", "0.1", "--attention-dropout", "0.0",
-        "--hdet-period", "3", "--hdet-spread", "0.3", "--hdet-temperature", "0.05",
+        "--tensor-model-parallel-size",
+        "2",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        "8",
+        "--lr",
+        "3e-3",
+        "--min-lr",
+        "3e-4",
+        "--lr-decay-style",
+        "cosine",
+        "--lr-warmup-iters",
+        "2",
+        "--data-path",
+        data,
+        "--split",
+        "80,10,10",
+        "--eval-interval",
+        "4",
+        "--eval-iters",
+        "2",
+        "--log-interval",
+        "2",
+        "--hidden-dropout",
+        "0.1",
+        "--attention-dropout",
+        "0.0",
+        "--hdet-period",
+        "3",
+        "--hdet-spread",
+        "0.3",
+        "--hdet-temperature",
+        "0.05",
     ]
     run_a, run_b = tmp_path / "a", tmp_path / "b"
     # Run A: 8 iterations, checkpoint every 4 (iteration 4 is mid-window: converge-on-save).
@@ -114,9 +163,12 @@ def test_train_save_resume_report(tmp_path, capsys):
     # Run C: a resume at another peak LR is refused in one line (Megatron-Core keys the saved
     # optimizer param groups by max_lr / min_lr), not with a traceback.
     lr_at = common.index("--lr") + 1
-    changed = [*common[:lr_at], "6e-3", *common[lr_at + 1:]]
-    c = torchrun([*changed, "--load", str(run_a), "--ckpt-step", "4", "--override-opt-param-scheduler"],
-                 cwd=tmp_path, timeout=120)
+    changed = [*common[:lr_at], "6e-3", *common[lr_at + 1 :]]
+    c = torchrun(
+        [*changed, "--load", str(run_a), "--ckpt-step", "4", "--override-opt-param-scheduler"],
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert c.returncode != 0
     assert c.stderr.count("pretrain_gpt.py: error: --load") == 1, c.stderr[-3000:]
     assert "saved with another --lr / --min-lr" in c.stderr
@@ -144,14 +196,50 @@ def test_probe_signal_compares_arms_on_one_shared_batch(tmp_path):
     # is probed on the same unseen batch, so the probe losses are bit-identical across arms while
     # the arms' window training losses (different data shards) are not.
     run = tmp_path / "probe"
-    r = torchrun([
-        "--mock-data", "--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
-        "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
-        "--global-batch-size", "8", "--train-iters", "6", "--lr", "3e-3", "--min-lr", "3e-4",
-        "--eval-iters", "0", "--log-interval", "3", "--hidden-dropout", "0", "--attention-dropout", "0",
-        "--hdet-period", "3", "--hdet-spread", "0", "--no-hdet-auto", "--hdet-signal", "probe",
-        "--run-dir", str(run),
-    ], cwd=tmp_path, timeout=180)
+    r = torchrun(
+        [
+            "--mock-data",
+            "--tensor-model-parallel-size",
+            "2",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "32",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "8",
+            "--train-iters",
+            "6",
+            "--lr",
+            "3e-3",
+            "--min-lr",
+            "3e-4",
+            "--eval-iters",
+            "0",
+            "--log-interval",
+            "3",
+            "--hidden-dropout",
+            "0",
+            "--attention-dropout",
+            "0",
+            "--hdet-period",
+            "3",
+            "--hdet-spread",
+            "0",
+            "--no-hdet-auto",
+            "--hdet-signal",
+            "probe",
+            "--run-dir",
+            str(run),
+        ],
+        cwd=tmp_path,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "converge w0 @ iter 3: arm0 lr" in r.stdout and "probe" in r.stdout
     windows = [w for w in read_metrics(str(run)) if w["type"] == "window"]

@@ -14,8 +14,13 @@ import textwrap
 import hdet_megatron
 
 FACE = ["HDETConfig", "Axis", "AutoController", "BucketedAverager", "HDETOneCycleLR"]
-MATH = ["hdet_megatron.config", "hdet_megatron.spread", "hdet_megatron.schedule",
-        "hdet_megatron.controller", "hdet_megatron.sim"]
+MATH = [
+    "hdet_megatron.config",
+    "hdet_megatron.spread",
+    "hdet_megatron.schedule",
+    "hdet_megatron.controller",
+    "hdet_megatron.sim",
+]
 
 PROBE = textwrap.dedent("""
     import json, sys

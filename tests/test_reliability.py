@@ -37,7 +37,9 @@ def _diverge_world(rank, world_size, case, rollback_dir=None):
     with toy.parallel(setup):
         model = toy.build_model(setup)
         optimizer = toy.build_optimizer(setup, model)
-        scheduler = HDETOptimizerParamScheduler(optimizer, hdet=config, **toy.scheduler_kwargs(setup, 40, warmup=0))
+        scheduler = HDETOptimizerParamScheduler(
+            optimizer, hdet=config, **toy.scheduler_kwargs(setup, 40, warmup=0)
+        )
         hdet = HDET(config, model, optimizer, scheduler, rollback_dir=rollback_dir)
         data = toy.data_iterator_for_rank(setup)
         arm = hdet.layout.arm
@@ -72,9 +74,11 @@ def _diverge_world(rank, world_size, case, rollback_dir=None):
                 metrics = hdet.step(losses)
             except (NonFiniteArm, AllArmsNonFinite) as exc:
                 out["error"] = f"{type(exc).__name__}: {exc}"
-                out["params_untouched"] = not all(
-                    torch.isfinite(p).all() for p in main_params(optimizer)
-                ) if arm == victim else True
+                out["params_untouched"] = (
+                    not all(torch.isfinite(p).all() for p in main_params(optimizer))
+                    if arm == victim
+                    else True
+                )
                 return out
             if metrics is not None:
                 finite = all(bool(torch.isfinite(p).all()) for p in main_params(optimizer))
@@ -128,9 +132,7 @@ def test_all_arms_nonfinite_raise_or_roll_back(tmp_path):
         assert all(math.isfinite(x) for x in r["losses"][8:])
     disk = run_world(4, _diverge_world, "rollback_disk", str(tmp_path), timeout=300)
     assert [e["rolled_back"] for e in disk[0]["events"]] == [False, True, False]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        f"hdet-rollback-rank{i}.pt" for i in range(4)
-    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"hdet-rollback-rank{i}.pt" for i in range(4)]
 
 
 def _guards_world(rank, world_size):
@@ -141,6 +143,7 @@ def _guards_world(rank, world_size):
     from hdet_megatron.megatron import toy
     from hdet_megatron.megatron.runtime import HDET
     from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import check_param_hashes_across_dp_replicas
 
@@ -159,9 +162,13 @@ def _guards_world(rank, world_size):
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
             losses = get_forward_backward_func()(
-                forward_step_func=toy.forward_step, data_iterator=data, model=model,
-                num_microbatches=setup.num_microbatches, seq_length=setup.seq_length,
-                micro_batch_size=setup.micro_batch_size, forward_only=False,
+                forward_step_func=toy.forward_step,
+                data_iterator=data,
+                model=model,
+                num_microbatches=setup.num_microbatches,
+                seq_length=setup.seq_length,
+                micro_batch_size=setup.micro_batch_size,
+                forward_only=False,
             )
             if step == 1 and hdet.layout.arm == 1:
                 # fp16 overflow on one arm only: Megatron's scaler skips that arm's update.
@@ -260,8 +267,12 @@ def _crash_world(rank, world_size, ckpt_dir, mode):
             hdet.step(losses)
             if it + 1 == 4 and mode != "restart":
                 save_checkpoint(ckpt_dir, 4, model, optimizer, scheduler, hdet)
-        return {"start": start, "main": digest(main_params(optimizer)),
-                "scale": scheduler.controller.scales(), "window": scheduler.window}
+        return {
+            "start": start,
+            "main": digest(main_params(optimizer)),
+            "scale": scheduler.controller.scales(),
+            "window": scheduler.window,
+        }
 
 
 def test_crash_fails_fast_and_restart_matches_uninterrupted(tmp_path):

@@ -15,31 +15,84 @@ from hdet_megatron.report import ReportError, load_run, report
 def _write_run(run_dir, hdet=True, steps=40, period=10, resumed_at=None):
     w = MetricsWriter(str(run_dir), tensorboard_dir=False)
     arms = 2 if hdet else 1
-    w.write({"type": "run", "iteration": 0, "args": {"num_layers": 2, "hidden_size": 32, "seq_length": 16},
-             "tp": 2, "pp": 1, "dp": 2, "world": 4, "arms": arms, "num_params": 12345,
-             "hdet": {"period": period, "axes": [{"name": "lr", "spread": 0.2}], "grad_sync": "global",
-                      "auto": True} if hdet else None,
-             "data": {"description": "synthetic"}})
+    w.write(
+        {
+            "type": "run",
+            "iteration": 0,
+            "args": {"num_layers": 2, "hidden_size": 32, "seq_length": 16},
+            "tp": 2,
+            "pp": 1,
+            "dp": 2,
+            "world": 4,
+            "arms": arms,
+            "num_params": 12345,
+            "hdet": {
+                "period": period,
+                "axes": [{"name": "lr", "spread": 0.2}],
+                "grad_sync": "global",
+                "auto": True,
+            }
+            if hdet
+            else None,
+            "data": {"description": "synthetic"},
+        }
+    )
     scale = 1.0
     for it in range(1, steps + 1):
         loss = 5.0 * math.exp(-it / 15) + 1.0
         lrs = [1e-3 * scale * (1 + 0.2 * s) for s in ((-1, 1) if (it // period) % 2 else (1, -1))]
-        w.write({"type": "step", "iteration": it, "loss": loss,
-                 "arm_losses": [loss + 0.01, loss - 0.01] if hdet else None,
-                 "base_lr": 1e-3, "lr": 1e-3 * scale, "arm_lrs": lrs if hdet else [1e-3],
-                 "scale": scale, "tokens_per_s": 1000.0})
+        w.write(
+            {
+                "type": "step",
+                "iteration": it,
+                "loss": loss,
+                "arm_losses": [loss + 0.01, loss - 0.01] if hdet else None,
+                "base_lr": 1e-3,
+                "lr": 1e-3 * scale,
+                "arm_lrs": lrs if hdet else [1e-3],
+                "scale": scale,
+                "tokens_per_s": 1000.0,
+            }
+        )
         if hdet and it % period == 0:
             scale *= 1.01
-            w.write({"type": "window", "iteration": it, "window": it // period - 1, "steps": period,
-                     "arm_losses": [loss + 0.02, loss - 0.02], "arm_values": {"lr": [0.8, 1.2]},
-                     "arm_lrs": lrs, "scales": {"lr": scale}, "converge_seconds": 0.01,
-                     "converge_bytes": 1000, "converge_bytes_per_step": 100.0,
-                     "grad_bytes_per_step": 40000, "forced": False})
+            w.write(
+                {
+                    "type": "window",
+                    "iteration": it,
+                    "window": it // period - 1,
+                    "steps": period,
+                    "arm_losses": [loss + 0.02, loss - 0.02],
+                    "arm_values": {"lr": [0.8, 1.2]},
+                    "arm_lrs": lrs,
+                    "scales": {"lr": scale},
+                    "converge_seconds": 0.01,
+                    "converge_bytes": 1000,
+                    "converge_bytes_per_step": 100.0,
+                    "grad_bytes_per_step": 40000,
+                    "forced": False,
+                }
+            )
         if it % 20 == 0:
-            w.write({"type": "valid", "iteration": it, "loss": loss + 0.1, "ppl": math.exp(loss + 0.1),
-                     "arm_losses": [loss + 0.1] * arms, "converged": True})
-    w.write({"type": "final", "iteration": steps, "train_seconds": 10.0, "wall_seconds": 20.0,
-             "tokens_per_s": 1000.0})
+            w.write(
+                {
+                    "type": "valid",
+                    "iteration": it,
+                    "loss": loss + 0.1,
+                    "ppl": math.exp(loss + 0.1),
+                    "arm_losses": [loss + 0.1] * arms,
+                    "converged": True,
+                }
+            )
+    w.write(
+        {
+            "type": "final",
+            "iteration": steps,
+            "train_seconds": 10.0,
+            "wall_seconds": 20.0,
+            "tokens_per_s": 1000.0,
+        }
+    )
     w.close()
 
 
@@ -60,8 +113,20 @@ def test_report_plain_run_and_resumed_duplicates(tmp_path, capsys):
     _write_run(tmp_path, hdet=False, steps=30)
     # a resumed launch re-writes iterations 21..30: the last record of an iteration wins
     with open(tmp_path / "metrics.jsonl", "a") as fh:
-        fh.write(json.dumps({"type": "step", "iteration": 30, "loss": 0.5, "base_lr": 1e-3, "lr": 1e-3,
-                             "arm_lrs": [1e-3], "scale": 1.0}) + "\n")
+        fh.write(
+            json.dumps(
+                {
+                    "type": "step",
+                    "iteration": 30,
+                    "loss": 0.5,
+                    "base_lr": 1e-3,
+                    "lr": 1e-3,
+                    "arm_lrs": [1e-3],
+                    "scale": 1.0,
+                }
+            )
+            + "\n"
+        )
         fh.write('{"type": "step", "itera')  # a run killed mid-write
     run = load_run(str(tmp_path))
     assert len(run.steps) == 30 and run.steps[-1]["loss"] == 0.5

@@ -29,10 +29,23 @@ CASES = [
     ("sgd", 1, 37, {"max_lr": 0.3, "anneal_strategy": "linear"}),
     ("adam", 1, 100, {"max_lr": 1e-3, "three_phase": True}),
     ("adam", 1, 51, {"max_lr": 3e-4, "three_phase": True, "anneal_strategy": "linear", "pct_start": 0.25}),
-    ("sgd", 3, 64, {"max_lr": [0.1, 0.02, 1.7], "base_momentum": [0.8, 0.85, 0.7],
-                    "max_momentum": 0.97, "pct_start": 0.4}),
-    ("adam", 2, 80, {"max_lr": [2e-3, 7e-4], "div_factor": 10.0, "final_div_factor": 100.0,
-                     "three_phase": True}),
+    (
+        "sgd",
+        3,
+        64,
+        {
+            "max_lr": [0.1, 0.02, 1.7],
+            "base_momentum": [0.8, 0.85, 0.7],
+            "max_momentum": 0.97,
+            "pct_start": 0.4,
+        },
+    ),
+    (
+        "adam",
+        2,
+        80,
+        {"max_lr": [2e-3, 7e-4], "div_factor": 10.0, "final_div_factor": 100.0, "three_phase": True},
+    ),
     ("sgd", 1, 23, {"max_lr": 0.05, "pct_start": 0.0}),
     ("adam", 1, 19, {"max_lr": 0.05, "pct_start": 0.9, "anneal_strategy": "linear"}),
     ("sgd", 1, 1, {"max_lr": 0.5, "pct_start": 0.5}),
@@ -53,8 +66,9 @@ def test_equals_torch_onecycle_bitwise(kind, groups, total, kw):
 
 def test_group_values_match_torch():
     opt = toy_optimizer("sgd", 2)
-    torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.3, 0.07], total_steps=10, div_factor=7.0,
-                                        final_div_factor=33.0)
+    torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=[0.3, 0.07], total_steps=10, div_factor=7.0, final_div_factor=33.0
+    )
     sched = OneCycleSchedule([0.3, 0.07], 10, div_factor=7.0, final_div_factor=33.0)
     assert sched.num_groups == 2
     for g, group in enumerate(opt.param_groups):
@@ -67,8 +81,9 @@ def test_group_values_match_torch():
 def test_phase_table_is_torchs():
     for total, pct, three in itertools.product((10, 97), (0.3, 0.25), (False, True)):
         opt = toy_optimizer("sgd", 1)
-        ref = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=total,
-                                                  pct_start=pct, three_phase=three)
+        ref = torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=0.1, total_steps=total, pct_start=pct, three_phase=three
+        )
         assert onecycle_phases(total, pct, three) == ref._schedule_phases
 
 
@@ -90,7 +105,9 @@ def test_anneal_formulas():
     assert anneal_cos(2.0, 1.0, 0.0) == 2.0 and anneal_cos(2.0, 1.0, 1.0) == 1.0
     assert anneal_linear(2.0, 1.0, 0.5) == 1.5
     assert anneal_cos(0.1, 0.3, 0.37) == torch.optim.lr_scheduler.OneCycleLR._annealing_cos(0.1, 0.3, 0.37)
-    assert anneal_linear(0.1, 0.3, 0.37) == torch.optim.lr_scheduler.OneCycleLR._annealing_linear(0.1, 0.3, 0.37)
+    assert anneal_linear(0.1, 0.3, 0.37) == torch.optim.lr_scheduler.OneCycleLR._annealing_linear(
+        0.1, 0.3, 0.37
+    )
 
 
 def test_validation():

@@ -98,11 +98,9 @@ def test_neutral_runs_are_reproducible_and_plain_training_is_the_baseline():
 
 def test_many_arms_and_replicas():
     problem = NQMProblem(dim=8)
-    result = simulate(SIM, arms=1024, base_lr=best_lr(problem, 1024) / 4, steps=2000,
-                      dim=8, problem=problem)
+    result = simulate(SIM, arms=1024, base_lr=best_lr(problem, 1024) / 4, steps=2000, dim=8, problem=problem)
     assert len(result.scales) == 20 and result.scales[-1] > 1.0
-    result = simulate(SIM.replace(grad_sync="arm"), arms=4, replicas_per_arm=16,
-                      base_lr=0.1, steps=1000)
+    result = simulate(SIM.replace(grad_sync="arm"), arms=4, replicas_per_arm=16, base_lr=0.1, steps=1000)
     assert all(math.isfinite(x) for x in result.losses)
 
 
@@ -133,13 +131,28 @@ def test_bad_arguments():
 def test_cli_simulate_prints_the_table(capsys):
     from hdet_megatron.cli import main
 
-    rc = main(["simulate", "--arms", "8", "--period", "100", "--steps", "3000", "--seed", "1",
-               "--base-lr-factor", "0.25", "--every", "10"])
+    rc = main(
+        [
+            "simulate",
+            "--arms",
+            "8",
+            "--period",
+            "100",
+            "--steps",
+            "3000",
+            "--seed",
+            "1",
+            "--base-lr-factor",
+            "0.25",
+            "--every",
+            "10",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["window", "step", "scale"])
-    rows = [line.split() for line in lines[header + 1:] if not line.startswith("#")]
+    rows = [line.split() for line in lines[header + 1 :] if not line.startswith("#")]
     assert [int(r[0]) for r in rows] == [0, 10, 20, 29]
     assert [int(r[1]) for r in rows] == [100, 1100, 2100, 3000]
     scales = [float(r[2]) for r in rows]
@@ -150,8 +163,28 @@ def test_cli_simulate_prints_the_table(capsys):
 def test_cli_options_and_errors(capsys):
     from hdet_megatron.cli import main
 
-    assert main(["simulate", "--steps", "500", "--sigma", "0.05", "--rule", "paper",
-                 "--grad-sync", "arm", "--kind", "log", "--spread", "0.5", "--base-lr", "0.1"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--steps",
+                "500",
+                "--sigma",
+                "0.05",
+                "--rule",
+                "paper",
+                "--grad-sync",
+                "arm",
+                "--kind",
+                "log",
+                "--spread",
+                "0.5",
+                "--base-lr",
+                "0.1",
+            ]
+        )
+        == 0
+    )
     assert "sigma=0.05" in capsys.readouterr().out
     assert main(["simulate", "--spread", "1.5"]) == 2
     assert "spread" in capsys.readouterr().err

@@ -51,7 +51,9 @@ def test_linear_mean_exactly_one_and_symmetric(n):
         for r in range(n):
             assert m[r] - 1.0 == -(m[n - 1 - r] - 1.0)  # exact mirror around 1
         for r in range(0, n, max(1, n // 64)):  # within one ulp of 1 of the exact rational
-            exact = 1 + Fraction(alpha) * Fraction(2 * r - (n - 1), 2) / max(Fraction(n - 1, 2), Fraction(1, 2))
+            exact = 1 + Fraction(alpha) * Fraction(2 * r - (n - 1), 2) / max(
+                Fraction(n - 1, 2), Fraction(1, 2)
+            )
             assert abs(Fraction(m[r]) - exact) <= Fraction(1, 2**52)
         assert min(m) >= 1 - alpha - 1e-15 and max(m) <= 1 + alpha + 1e-15
 

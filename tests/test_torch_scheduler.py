@@ -56,8 +56,18 @@ CASES = [
     ("sgd", 1, 40, {"max_lr": 0.1}),
     ("sgd", 3, 33, {"max_lr": [0.1, 0.02, 1.7], "anneal_strategy": "linear", "base_momentum": 0.8}),
     ("adam", 2, 50, {"max_lr": [1e-3, 3e-4], "three_phase": True, "pct_start": 0.25}),
-    ("adam", 1, 29, {"max_lr": 3e-4, "three_phase": True, "anneal_strategy": "linear",
-                     "div_factor": 10.0, "final_div_factor": 100.0}),
+    (
+        "adam",
+        1,
+        29,
+        {
+            "max_lr": 3e-4,
+            "three_phase": True,
+            "anneal_strategy": "linear",
+            "div_factor": 10.0,
+            "final_div_factor": 100.0,
+        },
+    ),
     ("sgd", 2, 20, {"max_lr": 0.5, "cycle_momentum": False}),
 ]
 
@@ -76,15 +86,12 @@ CASES = [
 )
 def test_equals_torch_onecycle_single_rank(kind, groups, total, kw, hdet):
     assert not dist.is_initialized()
-    ref_lrs, ref_moms, _ = trace_scheduler(
-        torch.optim.lr_scheduler.OneCycleLR, kind, groups, total, **kw
-    )
-    lrs, moms, sched = trace_scheduler(
-        HDETOneCycleLR, kind, groups, total, extra={"hdet": hdet}, **kw
-    )
+    ref_lrs, ref_moms, _ = trace_scheduler(torch.optim.lr_scheduler.OneCycleLR, kind, groups, total, **kw)
+    lrs, moms, sched = trace_scheduler(HDETOneCycleLR, kind, groups, total, extra={"hdet": hdet}, **kw)
     assert lrs == ref_lrs and moms == ref_moms  # == on floats: bit-exact, every step
-    pure = OneCycleSchedule(total_steps=total, num_groups=groups,
-                            **{k: v for k, v in kw.items() if k != "cycle_momentum"})
+    pure = OneCycleSchedule(
+        total_steps=total, num_groups=groups, **{k: v for k, v in kw.items() if k != "cycle_momentum"}
+    )
     assert lrs == [pure.lrs(t) for t in range(total + 1)]
     if hdet is not None:
         assert sched.get_last_base_lr() == lrs[-1]
@@ -115,7 +122,11 @@ def test_state_dict_hdet_superset_and_plain_checkpoint_loads():
         opt.step()
         sched.step(torch.tensor(1.5))
     state = sched.state_dict()
-    ref_keys = torch.optim.lr_scheduler.OneCycleLR(toy_optimizer("adam", 1), 1e-3, total_steps=20).state_dict().keys()
+    ref_keys = (
+        torch.optim.lr_scheduler.OneCycleLR(toy_optimizer("adam", 1), 1e-3, total_steps=20)
+        .state_dict()
+        .keys()
+    )
     assert set(state) == set(ref_keys) | {"hdet"}
     assert state["hdet"]["loss_count"] == 2 and state["hdet"]["loss_sum"] == 3.0
     assert state["hdet"]["controller"]["window"] == 1
@@ -145,13 +156,19 @@ def test_errors_and_rng_untouched_single_rank():
     assert sched.last_update is None and sched.controller.scale("lr") == 1.0
     assert sched.metrics()["num_converges"] == 2
     with pytest.raises(NotImplementedError, match="explores only the learning rate"):
-        HDETOneCycleLR(toy_optimizer("sgd", 1), 0.1, total_steps=5, hdet=HDETConfig(axes=(Axis("dropout", 0.1),)))
+        HDETOneCycleLR(
+            toy_optimizer("sgd", 1), 0.1, total_steps=5, hdet=HDETConfig(axes=(Axis("dropout", 0.1),))
+        )
     with pytest.raises(ValueError, match="must divide"):
         HDETOneCycleLR(toy_optimizer("sgd", 1), 0.1, total_steps=5, hdet=HDETConfig(arms=2))
     with pytest.raises(ValueError, match="matches no param group"):
-        HDETOneCycleLR(toy_optimizer("sgd", 1), 0.1, total_steps=5, hdet=HDETConfig(axes=(Axis("lr:emb", 0.1),)))
+        HDETOneCycleLR(
+            toy_optimizer("sgd", 1), 0.1, total_steps=5, hdet=HDETConfig(axes=(Axis("lr:emb", 0.1),))
+        )
     with pytest.raises(ValueError, match="must be a scalar"):
-        HDETOneCycleLR(toy_optimizer("sgd", 1), 0.1, total_steps=5, hdet=HDETConfig(period=2)).step(torch.ones(2))
+        HDETOneCycleLR(toy_optimizer("sgd", 1), 0.1, total_steps=5, hdet=HDETConfig(period=2)).step(
+            torch.ones(2)
+        )
     # nonfinite="raise": a NaN window loss stops with the controller's error.
     opt = toy_optimizer("sgd", 1)
     sched = HDETOneCycleLR(opt, 0.1, total_steps=5, hdet=HDETConfig(period=2, nonfinite="raise"))
@@ -208,8 +225,9 @@ def _all_equal_bits(t: torch.Tensor) -> bool:
     return all(torch.equal(bits[0], b) for b in bits[1:])
 
 
-def _run(rank, world, *, cfg, total, ddp, max_lr=0.05, nan_rank=None, nan_step=None,
-         kind="sgd", resume_at=None):
+def _run(
+    rank, world, *, cfg, total, ddp, max_lr=0.05, nan_rank=None, nan_step=None, kind="sgd", resume_at=None
+):
     """Train a tiny regression; check the HDET invariants at every step. Returns a summary."""
     torch.manual_seed(0)  # identical init on every rank (also what DDP broadcasts)
     model = _model(seed=1)
@@ -235,7 +253,9 @@ def _run(rank, world, *, cfg, total, ddp, max_lr=0.05, nan_rank=None, nan_step=N
         assert sched.get_last_base_lr()[0] == pure.lr(t)  # OneCycle shape kept (defect 4)
         assert lr == pure.lr(t) * c * rho
         assert opt.param_groups[0]["momentum" if kind == "sgd" else "betas"] in (
-            pure.momentum(t), (pure.momentum(t), 0.99))
+            pure.momentum(t),
+            (pure.momentum(t), 0.99),
+        )
         lrs = [row[0] for row in _gather([lr])]
         summary["lrs"].append(lrs)
         if cfg.axes[0].spread > 0:
@@ -285,9 +305,12 @@ def _run(rank, world, *, cfg, total, ddp, max_lr=0.05, nan_rank=None, nan_step=N
             if world > 1:
                 assert sched.last_stats.num_buckets >= 1 and sched.last_stats.bytes > 0
             if resume_at == t + 1:
-                saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
-                         "opt": copy.deepcopy(opt.state_dict()),
-                         "sched": sched.state_dict(), "gen": gen.get_state()}
+                saved = {
+                    "model": {k: v.clone() for k, v in model.state_dict().items()},
+                    "opt": copy.deepcopy(opt.state_dict()),
+                    "sched": sched.state_dict(),
+                    "gen": gen.get_state(),
+                }
     assert _same_rng(rng_before, _rng_states()), "the scheduler touched a global RNG (defect 5)"
     summary["final_lr"] = sched.get_last_lr()[0]
     summary["final_base"] = sched.get_last_base_lr()[0]
@@ -303,8 +326,11 @@ def _resume(rank, saved, cfg, total, ddp, max_lr, kind, start):
     model = _model(seed=7)  # different init: everything must come from the checkpoint
     model.load_state_dict(saved["model"])
     net = DDP(model) if ddp else model
-    opt = (torch.optim.SGD(model.parameters(), lr=max_lr, momentum=0.9) if kind == "sgd"
-           else torch.optim.AdamW(model.parameters(), lr=max_lr, betas=(0.9, 0.99)))
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=max_lr, momentum=0.9)
+        if kind == "sgd"
+        else torch.optim.AdamW(model.parameters(), lr=max_lr, betas=(0.9, 0.99))
+    )
     sched = HDETOneCycleLR(opt, max_lr, total_steps=total, hdet=cfg, model=model)
     opt.load_state_dict(saved["opt"])
     sched.load_state_dict(saved["sched"])
@@ -324,18 +350,32 @@ def _scheduler_world(rank, world):
     out = {}
     lr_axis = (Axis("lr", 0.3),)
     # 1. No DDP wrapper (local-SGD style), controller on, 4 arms; resume from a converge point.
-    out["local"] = _run(rank, world, cfg=HDETConfig(period=5, axes=lr_axis, seed=3, temperature=0.01),
-                        total=20, ddp=False, resume_at=10)
+    out["local"] = _run(
+        rank,
+        world,
+        cfg=HDETConfig(period=5, axes=lr_axis, seed=3, temperature=0.01),
+        total=20,
+        ddp=False,
+        resume_at=10,
+    )
     # 2. DDP wrapper (global gradient sync, the paper's setting), Adam, 2 arms of 2 ranks.
-    out["ddp"] = _run(rank, world, cfg=HDETConfig(period=4, arms=2, axes=lr_axis, seed=5,
-                                                  temperature="auto"),
-                      total=16, ddp=True, kind="adam", max_lr=0.01)
+    out["ddp"] = _run(
+        rank,
+        world,
+        cfg=HDETConfig(period=4, arms=2, axes=lr_axis, seed=5, temperature="auto"),
+        total=16,
+        ddp=True,
+        kind="adam",
+        max_lr=0.01,
+    )
     # 3. Controller off: spread from step 0 anyway (defects 1/2).
-    out["auto_off"] = _run(rank, world, cfg=HDETConfig(period=6, axes=lr_axis, auto=False),
-                           total=12, ddp=True)
+    out["auto_off"] = _run(
+        rank, world, cfg=HDETConfig(period=6, axes=lr_axis, auto=False), total=12, ddp=True
+    )
     # 4. Rank 2 blows up (NaN params and loss) in window 1: excluded, the others' average wins.
-    out["nan"] = _run(rank, world, cfg=HDETConfig(period=4, axes=lr_axis), total=12, ddp=False,
-                      nan_rank=2, nan_step=5)
+    out["nan"] = _run(
+        rank, world, cfg=HDETConfig(period=4, axes=lr_axis), total=12, ddp=False, nan_rank=2, nan_step=5
+    )
     # 5. Neutral controller (equal losses on every arm): the base LR decays exactly like OneCycle
     #    and the scale never moves (defect 3: the reference code grew the LR ~400x).
     model = _model(seed=1)
@@ -403,9 +443,13 @@ def test_hdet_on_4_gloo_ranks():
 def test_per_group_lr_axes_single_rank():
     def opt():
         return torch.optim.SGD(
-            [{"params": [torch.nn.Parameter(torch.zeros(2))], "name": "embedding"},
-             {"params": [torch.nn.Parameter(torch.zeros(2))], "name": "dense"}],
-            lr=0.1, momentum=0.9)
+            [
+                {"params": [torch.nn.Parameter(torch.zeros(2))], "name": "embedding"},
+                {"params": [torch.nn.Parameter(torch.zeros(2))], "name": "dense"},
+            ],
+            lr=0.1,
+            momentum=0.9,
+        )
 
     ref_opt = opt()
     ref = torch.optim.lr_scheduler.OneCycleLR(ref_opt, [0.1, 0.2], total_steps=8)
@@ -417,5 +461,6 @@ def test_per_group_lr_axes_single_rank():
         assert sched.get_last_lr() == ref.get_last_lr()
     assert sched.controller.scale("lr:emb*") == 1.0
     with pytest.raises(ValueError, match="matches several axes"):
-        HDETOneCycleLR(opt(), 0.1, total_steps=8,
-                       hdet=HDETConfig(axes=(Axis("lr:emb*", 0.1), Axis("lr:embedding", 0.1))))
+        HDETOneCycleLR(
+            opt(), 0.1, total_steps=8, hdet=HDETConfig(axes=(Axis("lr:emb*", 0.1), Axis("lr:embedding", 0.1)))
+        )

@@ -119,11 +119,9 @@ def test_patch_only_calls_into_hdet_megatron():
     ]
     assert 0 < len(added) <= 25
     for line in added:
-        assert (
-            not line
-            or line.startswith("#")
-            or "hdet" in line
-        ), f"patch line does not call into hdet_megatron: {line!r}"
+        assert not line or line.startswith("#") or "hdet" in line, (
+            f"patch line does not call into hdet_megatron: {line!r}"
+        )
 
 
 # -- apply.sh ------------------------------------------------------------------------------------
@@ -239,7 +237,11 @@ def test_patched_modules_import_and_parse_hdet_args(overlay):
     env = {**os.environ, "PYTHONPATH": str(overlay), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
         [sys.executable, "-c", _IMPORT_CHECK, str(overlay)],
-        capture_output=True, text=True, timeout=300, env=env, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -250,8 +252,8 @@ def test_patched_modules_import_and_parse_hdet_args(overlay):
         "temperature": "auto",
         "plain_scheduler": "OptimizerParamScheduler",
         "probe_error": "--hdet-signal probe is not supported through megatron.training yet (it "
-                       "needs probe forward passes at each window's end): use --hdet-signal "
-                       "train, or examples/pretrain_gpt/pretrain_gpt.py which provides the probe",
+        "needs probe forward passes at each window's end): use --hdet-signal "
+        "train, or examples/pretrain_gpt/pretrain_gpt.py which provides the probe",
     }
 
 
@@ -263,20 +265,66 @@ def test_example_refuses_unpatched_megatron_training():
 
 # -- end to end: the patched loop under torchrun --------------------------------------------------
 CPU_FLAGS = [
-    "--distributed-backend", "gloo", "--transformer-impl", "local", "--attention-backend", "local",
-    "--spec", "local", "--no-persist-layer-norm", "--rerun-mode", "disabled",
-    "--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-    "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
-    "--tokenizer-type", "NullTokenizer", "--mock-data",
+    "--distributed-backend",
+    "gloo",
+    "--transformer-impl",
+    "local",
+    "--attention-backend",
+    "local",
+    "--spec",
+    "local",
+    "--no-persist-layer-norm",
+    "--rerun-mode",
+    "disabled",
+    "--use-cpu-initialization",
+    "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-rope-fusion",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--mock-data",
 ]
 TINY_GPT = [
-    "--vocab-size", "128", "--make-vocab-size-divisible-by", "64",  # padded to 128 for TP1 and 2
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "32", "--max-position-embeddings", "32",
-    "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--train-iters", "8", "--lr-decay-iters", "12", "--lr", "1e-3", "--min-lr", "1e-4",
-    "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--seed", "1234",
-    "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
+    "--vocab-size",
+    "128",
+    "--make-vocab-size-divisible-by",
+    "64",  # padded to 128 for TP1 and 2
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "8",
+    "--lr-decay-iters",
+    "12",
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "2",
+    "--seed",
+    "1234",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "1000",
 ]
 HDET_FLAGS = ["--hdet-period", "2", "--hdet-spread", "0.5"]
 
@@ -290,8 +338,20 @@ def torchrun(overlay: Path, ckpt: Path, layout: list[str], extra: list[str], log
         "OMP_NUM_THREADS": "1",
     }
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-        str(EXAMPLE), *CPU_FLAGS, *TINY_GPT, *HDET_FLAGS, *layout, "--load", str(ckpt), *extra,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        str(EXAMPLE),
+        *CPU_FLAGS,
+        *TINY_GPT,
+        *HDET_FLAGS,
+        *layout,
+        "--load",
+        str(ckpt),
+        *extra,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
     out = proc.stdout + proc.stderr
@@ -311,12 +371,15 @@ def hdet_windows(out: str) -> list[dict]:
         rf"lr spread per arm \[([^\]]*)\] \| scale lr=({_FLOAT})"
     )
     for m in re.finditer(pat, out):
-        rows.append({
-            "window": int(m[1]), "iteration": int(m[2]),
-            "lrs": [float(x) for x in m[3].split(",")],
-            "spread": [float(x) for x in m[4].split(",")],
-            "scale": float(m[5]),
-        })
+        rows.append(
+            {
+                "window": int(m[1]),
+                "iteration": int(m[2]),
+                "lrs": [float(x) for x in m[3].split(",")],
+                "spread": [float(x) for x in m[4].split(",")],
+                "scale": float(m[5]),
+            }
+        )
     return rows
 
 
@@ -326,8 +389,14 @@ def hdet_converges(out: str) -> list[dict]:
         rf"\((\d+) steps\) \| arm loss \[([^\]]*)\] \| scale lr=({_FLOAT})"
     )
     return [
-        {"forced": m[1] != "converge", "window": int(m[2]), "iteration": int(m[3]),
-         "steps": int(m[4]), "losses": [float(x) for x in m[5].split(",")], "scale": float(m[6])}
+        {
+            "forced": m[1] != "converge",
+            "window": int(m[2]),
+            "iteration": int(m[3]),
+            "steps": int(m[4]),
+            "losses": [float(x) for x in m[5].split(",")],
+            "scale": float(m[6]),
+        }
         for m in re.finditer(pat, out)
     ]
 
@@ -370,14 +439,18 @@ def test_patched_loop_end_to_end_tp2dp2_save_then_pp2dp2_resume(overlay, tmp_pat
     """
     ckpt = tmp_path / "ckpt"
     out_a = torchrun(
-        overlay, ckpt, ["--tensor-model-parallel-size", "2"],
+        overlay,
+        ckpt,
+        ["--tensor-model-parallel-size", "2"],
         ["--save", str(ckpt), "--save-interval", "100", "--exit-interval", "5"],
         tmp_path / "run_a.log",
     )
     assert "[HDET] on: 2 arms over DP 2" in out_a
     conv_a = hdet_converges(out_a)
     assert [(c["window"], c["iteration"], c["forced"]) for c in conv_a] == [
-        (0, 2, False), (1, 4, False), (2, 5, True)
+        (0, 2, False),
+        (1, 4, False),
+        (2, 5, True),
     ]
     assert all(len(c["losses"]) == 2 for c in conv_a)
     assert "successfully saved checkpoint from iteration       5" in out_a
@@ -388,9 +461,7 @@ def test_patched_loop_end_to_end_tp2dp2_save_then_pp2dp2_resume(overlay, tmp_pat
     assert sorted(iters_a) == [1, 2, 3, 4, 5]
     last_scale = conv_a[-1]["scale"]
 
-    out_b = torchrun(
-        overlay, ckpt, ["--pipeline-model-parallel-size", "2"], [], tmp_path / "run_b.log"
-    )
+    out_b = torchrun(overlay, ckpt, ["--pipeline-model-parallel-size", "2"], [], tmp_path / "run_b.log")
     assert "loading distributed checkpoint from" in out_b and "at iteration 5" in out_b
     windows_b = hdet_windows(out_b)
     # Resumed: the window counter and the controller's scale continue from A's checkpoint.

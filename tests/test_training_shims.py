@@ -82,7 +82,9 @@ def test_shim_e_typing_override_missing_before_312():
     assert "from typing import" in inspect.getsource(gpt) and "override" in inspect.getsource(gpt)
     fresh = subprocess.run(
         [sys.executable, "-c", "import typing; print(hasattr(typing, 'override'))"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert fresh.stdout.strip() == str(sys.version_info >= (3, 12))
     import typing
@@ -151,9 +153,9 @@ def test_wheel_has_no_makefile_for_compile_helpers():
     """Not a CPU shim (GPU machines too): ``initialize_megatron`` runs ``make`` in
     megatron/core/datasets, which the wheel ships without a Makefile; the patched ``pretrain``
     calls ``training_hooks.use_prebuilt_dataset_helpers()``, which uses the built extension."""
-    from megatron.core.datasets import utils as dataset_utils
-
     from hdet_megatron.megatron import training_hooks
+
+    from megatron.core.datasets import utils as dataset_utils
 
     directory = os.path.dirname(dataset_utils.__file__)
     assert not os.path.exists(os.path.join(directory, "Makefile"))

@@ -33,7 +33,8 @@ import io
 import os
 import sys
 import tempfile
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -50,8 +51,11 @@ try:
         merge_defaults,
     )
 except ImportError as _exc:  # the launcher's PYTHON is not the project's environment
-    print(f"check_args.py: error: {sys.executable} cannot import hdet_megatron ({_exc}): set PYTHON "
-          "(or VENV) to the environment of `pip install -e .` / `make setup`", file=sys.stderr)
+    print(
+        f"check_args.py: error: {sys.executable} cannot import hdet_megatron ({_exc}): set PYTHON "
+        "(or VENV) to the environment of `pip install -e .` / `make setup`",
+        file=sys.stderr,
+    )
     sys.exit(2)
 
 PROG = "check_args.py"
@@ -91,8 +95,11 @@ def check_pretrain_gpt(argv: Sequence[str], world_size: int, fresh: bool = False
 
 #: Hints for Megatron-LM messages that do not say what to change (substring -> fix).
 _MEGATRON_HINTS = (
-    ("total_model_size", "launch a multiple of TP x PP (x CP) ranks, or change "
-                         "--tensor-model-parallel-size / --pipeline-model-parallel-size"),
+    (
+        "total_model_size",
+        "launch a multiple of TP x PP (x CP) ranks, or change "
+        "--tensor-model-parallel-size / --pipeline-model-parallel-size",
+    ),
     ("batch_size", "--global-batch-size must be a multiple of --micro-batch-size x DP"),
     ("max_position_embeddings", "raise --max-position-embeddings or lower --seq-length"),
 )
@@ -118,23 +125,29 @@ def _assertion_text(exc: AssertionError) -> str:
     if frame is None or not frame.line:
         return "a Megatron-LM argument check failed; see megatron/training/arguments.py"
     condition = frame.line.strip()
-    condition = condition[len("assert "):] if condition.startswith("assert ") else condition
-    return (f"Megatron-LM requires {_flags(condition)} ({os.path.basename(frame.filename)}:"
-            f"{frame.lineno}): change those flags")
+    condition = condition[len("assert ") :] if condition.startswith("assert ") else condition
+    return (
+        f"Megatron-LM requires {_flags(condition)} ({os.path.basename(frame.filename)}:"
+        f"{frame.lineno}): change those flags"
+    )
 
 
-def check_megatron(argv: Sequence[str], world_size: int, prog: str = "pretrain_gpt_hdet.py",
-                   args_defaults: Optional[dict] = None):
+def check_megatron(
+    argv: Sequence[str],
+    world_size: int,
+    prog: str = "pretrain_gpt_hdet.py",
+    args_defaults: dict | None = None,
+):
     """Megatron-LM's ``parse_args`` + ``validate_args`` for ``world_size`` ranks (no process
     group, no tokenizer, no global state), then the HDET flags (``--hdet-*`` of the patch) and
     the files (``--load``, ``--data-path``, vocabulary). Call after ``megatron.training`` is
     importable (CPU shims applied). Returns the args; raises :class:`InputError`."""
     import argparse
 
-    import megatron.training.arguments as arguments
-
     from hdet_megatron.config import HDETConfigError
     from hdet_megatron.megatron import training_hooks
+
+    import megatron.training.arguments as arguments
 
     def error(self, message):
         raise InputError(f"{message} ({prog} --help lists the flags)")
@@ -185,8 +198,10 @@ def _check_megatron_files(args) -> None:
     for flag in ("vocab_file", "merge_file", "tokenizer_model"):
         path = getattr(args, flag, None)
         if path and not os.path.exists(path):
-            raise InputError(f"--{flag.replace('_', '-')} {path}: no such file; give the tokenizer's "
-                             f"{flag.split('_')[-1]} file (e.g. gpt2-{'vocab.json' if 'vocab' in flag else 'merges.txt'})")
+            raise InputError(
+                f"--{flag.replace('_', '-')} {path}: no such file; give the tokenizer's "
+                f"{flag.split('_')[-1]} file (e.g. gpt2-{'vocab.json' if 'vocab' in flag else 'merges.txt'})"
+            )
     if getattr(args, "mock_data", False):
         return
     paths = list(getattr(args, "data_path", None) or [])
@@ -199,8 +214,10 @@ def _check_megatron_files(args) -> None:
     for prefix in paths:
         missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
         if missing:
-            raise InputError(f"--data-path {prefix}: missing {', '.join(missing)}; prepare the corpus "
-                             "with examples/pretrain_gpt/prepare_data.py and pass PREFIX_text_document")
+            raise InputError(
+                f"--data-path {prefix}: missing {', '.join(missing)}; prepare the corpus "
+                "with examples/pretrain_gpt/prepare_data.py and pass PREFIX_text_document"
+            )
 
 
 def _load_hdet_script():
@@ -250,18 +267,18 @@ def build_parser() -> OneLineParser:
     return p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:
         split = argv.index("--")
-        own, rest = argv[:split], argv[split + 1:]
+        own, rest = argv[:split], argv[split + 1 :]
     else:
         own, rest = argv, []
     opts = build_parser().parse_args(own)
     prog = opts.prog or opts.script
     if opts.defaults > len(rest):
         return fail(PROG, f"--defaults {opts.defaults} exceeds the {len(rest)} arguments after --")
-    merged = merge_defaults(rest[:opts.defaults], rest[opts.defaults:])
+    merged = merge_defaults(rest[: opts.defaults], rest[opts.defaults :])
     try:
         with _default_corpus(merged) as checked:
             if opts.script == "pretrain_gpt.py":

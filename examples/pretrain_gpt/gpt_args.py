@@ -28,68 +28,117 @@ class UsageError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description=DESCRIPTION,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4, help="transformer layers")
     g.add_argument("--hidden-size", type=int, default=128, help="hidden size")
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP size (default 4 x hidden)")
     g.add_argument("--num-attention-heads", type=int, default=4, help="attention heads")
     g.add_argument("--seq-length", type=int, default=128, help="tokens per sample")
-    g.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="position table size (default: --seq-length)")
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
-                   default="learned_absolute")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the vocabulary to a multiple of this x TP")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="separate output layer (default: tied to the input embedding)")
+    g.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        help="position table size (default: --seq-length)",
+    )
+    g.add_argument(
+        "--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute"
+    )
+    g.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="pad the vocabulary to a multiple of this x TP",
+    )
+    g.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        help="separate output layer (default: tied to the input embedding)",
+    )
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP")
     g.add_argument("--disable-bias-linear", action="store_true", help="no biases in linear layers")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local",
-                   help="layer spec: Megatron-Core local modules or Transformer Engine (GPU)")
+    g.add_argument(
+        "--transformer-impl",
+        choices=("local", "transformer_engine"),
+        default="local",
+        help="layer spec: Megatron-Core local modules or Transformer Engine (GPU)",
+    )
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="ZeRO-1 distributed optimizer (with HDET: one instance per arm)")
+    g.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="ZeRO-1 distributed optimizer (with HDET: one instance per arm)",
+    )
     g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None,
-                   help="default: nccl on CUDA, gloo on CPU")
-    g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="auto: cuda when available (cpu with --distributed-backend gloo). "
-                        "cuda with gloo runs several ranks on one GPU (NCCL refuses that); each "
-                        "rank uses GPU LOCAL_RANK %% device count")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
-                   help="collective timeout (process group)")
-    g.add_argument("--node-timeout", type=float, default=60.0,
-                   help="multi-node: seconds without an answer from another node before every node "
-                        "stops, naming the lost one (a dead node's gone processes are seen within "
-                        "2 pings, timeout/10 s apart); 0 = off (hdet_megatron/liveness.py)")
+    g.add_argument(
+        "--distributed-backend",
+        choices=("gloo", "nccl"),
+        default=None,
+        help="default: nccl on CUDA, gloo on CPU",
+    )
+    g.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="auto: cuda when available (cpu with --distributed-backend gloo). "
+        "cuda with gloo runs several ranks on one GPU (NCCL refuses that); each "
+        "rank uses GPU LOCAL_RANK %% device count",
+    )
+    g.add_argument(
+        "--distributed-timeout-minutes", type=int, default=10, help="collective timeout (process group)"
+    )
+    g.add_argument(
+        "--node-timeout",
+        type=float,
+        default=60.0,
+        help="multi-node: seconds without an answer from another node before every node "
+        "stops, naming the lost one (a dead node's gone processes are seen within "
+        "2 pings, timeout/10 s apart); 0 = off (hdet_megatron/liveness.py)",
+    )
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=4)
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="samples per iteration (default: micro-batch-size x DP)")
+    g.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="samples per iteration (default: micro-batch-size x DP)",
+    )
     g.add_argument("--train-iters", type=int, default=300)
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="linear",
-                   choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
+    g.add_argument(
+        "--lr-decay-style",
+        default="linear",
+        choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+    )
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-fraction", type=float, default=None,
-                   help="warm-up as a fraction of the decay iterations (instead of --lr-warmup-iters)")
+    g.add_argument(
+        "--lr-warmup-fraction",
+        type=float,
+        default=None,
+        help="warm-up as a fraction of the decay iterations (instead of --lr-warmup-iters)",
+    )
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
-    g.add_argument("--lr-wsd-decay-style", default="exponential",
-                   choices=("exponential", "linear", "cosine", "minus_sqrt"))
+    g.add_argument(
+        "--lr-wsd-decay-style",
+        default="exponential",
+        choices=("exponential", "linear", "cosine", "minus_sqrt"),
+    )
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -100,49 +149,83 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
 
     g = p.add_argument_group("evaluation")
-    g.add_argument("--eval-interval", type=int, default=1000,
-                   help="iterations between validation runs (also at the end)")
-    g.add_argument("--eval-iters", type=int, default=100,
-                   help="validation iterations (global batches) per evaluation; 0 = none")
+    g.add_argument(
+        "--eval-interval", type=int, default=1000, help="iterations between validation runs (also at the end)"
+    )
+    g.add_argument(
+        "--eval-iters",
+        type=int,
+        default=100,
+        help="validation iterations (global batches) per evaluation; 0 = none",
+    )
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="checkpoint directory")
-    g.add_argument("--save-interval", type=int, default=None, help="iterations between saves (and at the end)")
+    g.add_argument(
+        "--save-interval", type=int, default=None, help="iterations between saves (and at the end)"
+    )
     g.add_argument("--load", default=None, help="resume from the latest checkpoint in this directory")
     g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
-    g.add_argument("--ckpt-format", choices=("torch_dist", "torch"), default="torch_dist",
-                   help="dist_checkpointing (sharded) or legacy per-rank torch.save files")
-    g.add_argument("--override-opt-param-scheduler", action="store_true",
-                   help="on --load, this run's LR schedule and HDET config win over the checkpoint's")
-    g.add_argument("--use-checkpoint-opt-param-scheduler", action="store_true",
-                   help="on --load, the checkpoint's LR schedule and HDET config win (the default)")
+    g.add_argument(
+        "--ckpt-format",
+        choices=("torch_dist", "torch"),
+        default="torch_dist",
+        help="dist_checkpointing (sharded) or legacy per-rank torch.save files",
+    )
+    g.add_argument(
+        "--override-opt-param-scheduler",
+        action="store_true",
+        help="on --load, this run's LR schedule and HDET config win over the checkpoint's",
+    )
+    g.add_argument(
+        "--use-checkpoint-opt-param-scheduler",
+        action="store_true",
+        help="on --load, the checkpoint's LR schedule and HDET config win (the default)",
+    )
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
-                   help="with --load: stop if there is no checkpoint (default: start from scratch)")
+    g.add_argument(
+        "--exit-on-missing-checkpoint",
+        action="store_true",
+        help="with --load: stop if there is no checkpoint (default: start from scratch)",
+    )
 
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="+", default=None,
-                   help="indexed dataset prefix(es): PREFIX or W1 PREFIX1 W2 PREFIX2 ...")
+    g.add_argument(
+        "--data-path",
+        nargs="+",
+        default=None,
+        help="indexed dataset prefix(es): PREFIX or W1 PREFIX1 W2 PREFIX2 ...",
+    )
     g.add_argument("--mock-data", action="store_true", help="Megatron's synthetic MockGPTDataset")
     g.add_argument("--split", default="969,30,1", help="train,valid,test weights (by documents)")
-    g.add_argument("--tokenizer-type", default=None,
-                   choices=("ByteLevel", "GPT2BPETokenizer", "HuggingFaceTokenizer"),
-                   help="default: what the data was prepared with (ByteLevel)")
+    g.add_argument(
+        "--tokenizer-type",
+        default=None,
+        choices=("ByteLevel", "GPT2BPETokenizer", "HuggingFaceTokenizer"),
+        help="default: what the data was prepared with (ByteLevel)",
+    )
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-size", type=int, default=None, help="vocabulary of --mock-data (default 257)")
-    g.add_argument("--data-cache-path", default=None,
-                   help="where GPTDataset index caches go (default: next to the data)")
+    g.add_argument(
+        "--data-cache-path", default=None, help="where GPTDataset index caches go (default: next to the data)"
+    )
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--run-dir", default=None,
-                   help="metrics.jsonl and TensorBoard events (default: --save, else runs/<time>)")
-    g.add_argument("--tensorboard-dir", default=None,
-                   help="TensorBoard events (default RUN_DIR/tensorboard if tensorboard is installed)")
+    g.add_argument(
+        "--run-dir",
+        default=None,
+        help="metrics.jsonl and TensorBoard events (default: --save, else runs/<time>)",
+    )
+    g.add_argument(
+        "--tensorboard-dir",
+        default=None,
+        help="TensorBoard events (default RUN_DIR/tensorboard if tensorboard is installed)",
+    )
     g.add_argument("--no-tensorboard", action="store_true")
     g.add_argument("--quiet", action="store_true", help="no per-interval progress lines")
 
@@ -169,7 +252,7 @@ def _data_prefixes(data_path: list[str]) -> list[str]:
     return data_path
 
 
-def parse_args(argv: Optional[list[str]] = None, world_size: Optional[int] = None):
+def parse_args(argv: list[str] | None = None, world_size: int | None = None):
     """Parse and validate. Returns ``(args, hdet_config_or_None)``; raises :class:`UsageError`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -214,16 +297,30 @@ def validate_args(args, argv: list[str], world_size: int):
         raise UsageError("--override-opt-param-scheduler conflicts with --use-checkpoint-opt-param-scheduler")
     if args.no_tensorboard and args.tensorboard_dir:
         raise UsageError("--no-tensorboard conflicts with --tensorboard-dir")
-    if args.mock_data and (args.tokenizer_type not in (None, "ByteLevel") or args.vocab_file
-                           or args.merge_file or args.tokenizer_model):
+    if args.mock_data and (
+        args.tokenizer_type not in (None, "ByteLevel")
+        or args.vocab_file
+        or args.merge_file
+        or args.tokenizer_model
+    ):
         raise UsageError("--mock-data uses synthetic token ids: drop the tokenizer flags (use --vocab-size)")
     if args.vocab_size is not None and not args.mock_data:
         raise UsageError("--vocab-size is for --mock-data; real data takes its vocabulary from the tokenizer")
 
     # Sizes.
-    positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                "train_iters", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                "log_interval", "eval_interval", "make_vocab_size_divisible_by")
+    positive = (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "micro_batch_size",
+        "train_iters",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "log_interval",
+        "eval_interval",
+        "make_vocab_size_divisible_by",
+    )
     for name in positive:
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -257,8 +354,10 @@ def validate_args(args, argv: list[str], world_size: int):
         )
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
     if pp > 1 and args.num_microbatches < pp:
-        print(f"{PROG}: note: {args.num_microbatches} microbatches for PP {pp} leave pipeline bubbles",
-              file=sys.stderr)
+        print(
+            f"{PROG}: note: {args.num_microbatches} microbatches for PP {pp} leave pipeline bubbles",
+            file=sys.stderr,
+        )
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
@@ -343,7 +442,8 @@ def validate_args(args, argv: list[str], world_size: int):
         args.hdet_num_arms = 1
     if args.run_dir is None:
         args.run_dir = args.save or os.path.join(
-            "runs", datetime.datetime.now().strftime("gpt-%Y%m%d-%H%M%S"))
+            "runs", datetime.datetime.now().strftime("gpt-%Y%m%d-%H%M%S")
+        )
     return hdet
 
 
@@ -354,7 +454,11 @@ def _check_files(args) -> None:
     try:
         if args.load:
             preflight.check_checkpoint(args.load, args.ckpt_step)
-        for flag, path in (("--load", args.load), ("--save", args.save), ("--run-dir", args.run_dir or args.save)):
+        for flag, path in (
+            ("--load", args.load),
+            ("--save", args.save),
+            ("--run-dir", args.run_dir or args.save),
+        ):
             if path:
                 preflight.check_run_dir(path, args, flag)
     except preflight.InputError as exc:
@@ -375,14 +479,19 @@ def check_device(args) -> None:
     for the flags that need it (the launchers' pre-torchrun check stays fast in the default case)."""
     import importlib.util
 
-    if not (args.device == "cuda" or args.distributed_backend == "nccl"
-            or args.transformer_impl == "transformer_engine"):
+    if not (
+        args.device == "cuda"
+        or args.distributed_backend == "nccl"
+        or args.transformer_impl == "transformer_engine"
+    ):
         return
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available here (torch.cuda.is_available() "
-                         "is False); use --device cpu (gloo)")
+        raise UsageError(
+            "--device cuda: no CUDA device is available here (torch.cuda.is_available() "
+            "is False); use --device cpu (gloo)"
+        )
     device = resolve_device(args)
     if device == "cpu" and args.distributed_backend == "nccl":
         raise UsageError("--distributed-backend nccl needs CUDA tensors: use gloo on CPU, or --device cuda")
@@ -391,15 +500,17 @@ def check_device(args) -> None:
             raise UsageError(
                 "--transformer-impl transformer_engine needs NVIDIA Transformer Engine, which is not "
                 "installed in this Python: use an NGC PyTorch image (docker/) or install "
-                "transformer-engine[pytorch], or train with --transformer-impl local")
+                "transformer-engine[pytorch], or train with --transformer-impl local"
+            )
         if device != "cuda":
             raise UsageError(
                 "--transformer-impl transformer_engine runs on CUDA only; this run would use the CPU "
                 f"({'no CUDA device here' if not torch.cuda.is_available() else '--device cpu / gloo'}): "
-                "use --transformer-impl local on CPU")
+                "use --transformer-impl local on CPU"
+            )
 
 
-def _checkpoint_iteration(load_dir: str, ckpt_step: Optional[int] = None) -> Optional[int]:
+def _checkpoint_iteration(load_dir: str, ckpt_step: int | None = None) -> int | None:
     if ckpt_step is not None:
         return ckpt_step if os.path.isdir(os.path.join(load_dir, f"iter_{ckpt_step:07d}")) else None
     tracker = os.path.join(load_dir, TRACKER)

@@ -23,17 +23,21 @@ class TrainerData:
             vocab = args.vocab_size or self.tokenizer.vocab_size
             self.data_meta = {"description": f"MockGPTDataset (vocab {vocab})"}
         else:
-            self.tokenizer = D.build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file,
-                                               args.tokenizer_model)
+            self.tokenizer = D.build_tokenizer(
+                args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model
+            )
             vocab = self.tokenizer.vocab_size
             prefixes, _ = D.parse_data_path(args.data_path)
-            report = D.check_dataset_fits(prefixes, args.split, args.seq_length,
-                                          need_valid=args.eval_iters > 0)
+            report = D.check_dataset_fits(
+                prefixes, args.split, args.seq_length, need_valid=args.eval_iters > 0
+            )
             # The test split is optional: evaluated at the end only if it fills a sample.
             self.test_fits = all(c[2]["tokens"] > args.seq_length for c in report)
             metas = [D.read_sidecar(p) or {"prefix": p} for p in prefixes]
             self.data_meta = {
-                "description": "; ".join(m.get("description") or os.path.basename(m["prefix"]) for m in metas),
+                "description": "; ".join(
+                    m.get("description") or os.path.basename(m["prefix"]) for m in metas
+                ),
                 "documents": sum(m.get("documents", 0) for m in metas),
                 "tokens": sum(m.get("tokens", 0) for m in metas),
             }
@@ -46,8 +50,13 @@ class TrainerData:
         if cache is None and not args.mock_data:
             cache = os.path.join(os.path.dirname(os.path.abspath(_data_prefixes(args.data_path)[0])), "cache")
         self.train_ds, self.valid_ds, self.test_ds = D.build_gpt_datasets(
-            data_path=args.data_path, mock=args.mock_data, split=args.split,
-            seq_length=args.seq_length, seed=args.seed, sizes=sizes, tokenizer=self.tokenizer,
+            data_path=args.data_path,
+            mock=args.mock_data,
+            split=args.split,
+            seq_length=args.seq_length,
+            seed=args.seed,
+            sizes=sizes,
+            tokenizer=self.tokenizer,
             cache_path=cache,
         )
         if self.train_ds is None:
@@ -56,7 +65,7 @@ class TrainerData:
             self.log(f"test split of --split {args.split} holds less than one sequence; no test evaluation")
             self.test_ds = None
 
-    def _iterator(self, dataset, consumed: int, dp_rank: Optional[int] = None):
+    def _iterator(self, dataset, consumed: int, dp_rank: int | None = None):
         """Micro-batches of ``dataset`` from sample ``consumed`` on, in Megatron's order; the
         slice of DP rank ``dp_rank`` (default: this rank's)."""
         from hdet_megatron.megatron import data as D

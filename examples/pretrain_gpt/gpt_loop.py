@@ -25,7 +25,7 @@ def train(args, hdet_config, liveness=None) -> int:
     log.start_loop()
     last_lrs = tr.lr_view()
 
-    def do_eval(kind: str = "valid", dataset=None) -> Optional[dict]:
+    def do_eval(kind: str = "valid", dataset=None) -> dict | None:
         t = time.perf_counter()
         result = tr.evaluate(tr.valid_ds if dataset is None else dataset, kind)
         log.pause_from(t)
@@ -53,8 +53,12 @@ def train(args, hdet_config, liveness=None) -> int:
         log.on_window(window, lrs)
         # Save before evaluating: the save converges (HDET), so validation then sees the
         # averaged model.
-        if args.save and args.save_interval and tr.iteration % args.save_interval == 0 \
-                and tr.iteration < args.train_iters:
+        if (
+            args.save
+            and args.save_interval
+            and tr.iteration % args.save_interval == 0
+            and tr.iteration < args.train_iters
+        ):
             do_save()
         if args.eval_iters and tr.iteration % args.eval_interval == 0 and tr.iteration < args.train_iters:
             valid = do_eval()

@@ -40,6 +40,7 @@ class Trainer(TrainerData):
         import torch.distributed as dist
 
         from hdet_megatron.megatron import cpu as _cpu  # noqa: F401 (CPU shims first)
+
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -92,8 +93,11 @@ class Trainer(TrainerData):
     def _build_model(self) -> None:
         import torch.nn.functional as F
 
-        from megatron.core.distributed import (DistributedDataParallel,
-                                               DistributedDataParallelConfig, finalize_model_grads)
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.models.gpt import GPTModel
         from megatron.core.transformer import TransformerConfig
 
@@ -284,8 +288,13 @@ class Trainer(TrainerData):
         base = sched.get_lr(groups[0]) if groups else 0.0
         window = sched.window if self.hdet is not None else None
         if self.hdet is None or self.hdet_config.axis("lr") is None:
-            return {"base_lr": base, "lr": base, "arm_lrs": [base] * self.num_arms, "scale": 1.0,
-                    "window": window}
+            return {
+                "base_lr": base,
+                "lr": base,
+                "arm_lrs": [base] * self.num_arms,
+                "scale": 1.0,
+                "window": window,
+            }
         scale = sched.controller.scale("lr")
         arm_lrs = [base * sched.arm_factor("lr", a) for a in range(self.num_arms)]
         return {"base_lr": base, "lr": base * scale, "arm_lrs": arm_lrs, "scale": scale, "window": window}
@@ -309,7 +318,7 @@ class Trainer(TrainerData):
         return means, per_arm
 
     # -- evaluation ------------------------------------------------------------------------------
-    def evaluate(self, dataset, kind: str) -> Optional[dict]:
+    def evaluate(self, dataset, kind: str) -> dict | None:
         args, torch = self.args, self.torch
         if dataset is None or args.eval_iters == 0:
             return None
@@ -322,20 +331,30 @@ class Trainer(TrainerData):
                 if loss is not None:
                     values.append(loss)
         mean_vals = torch.stack(values).mean().reshape(1) if values else torch.zeros(1, device=self.device)
-        means, per_arm = self.reduce_per_arm([mean_vals[0]] if self.is_reporter else [torch.zeros((), device=self.device)])
+        means, per_arm = self.reduce_per_arm(
+            [mean_vals[0]] if self.is_reporter else [torch.zeros((), device=self.device)]
+        )
         loss = means[0]
         converged = self.hdet is None or self.hdet.steps_in_window == 0
         return {
-            "type": kind, "iteration": self.iteration, "loss": loss,
-            "ppl": math.exp(min(loss, 50.0)), "arm_losses": per_arm[0],
-            "converged": converged, "seconds": time.perf_counter() - start,
+            "type": kind,
+            "iteration": self.iteration,
+            "loss": loss,
+            "ppl": math.exp(min(loss, 50.0)),
+            "arm_losses": per_arm[0],
+            "converged": converged,
+            "seconds": time.perf_counter() - start,
         }
 
     # -- checkpoints: hdet_megatron.megatron.checkpointing (torch_dist, HDET state in the common
     #    state, converge-on-save, resume rules, distributed optimizer) -------------------------
     def _topology(self) -> dict:
-        return {"tp": self.args.tensor_model_parallel_size, "pp": self.args.pipeline_model_parallel_size,
-                "dp": self.dp, "arms": self.num_arms}
+        return {
+            "tp": self.args.tensor_model_parallel_size,
+            "pp": self.args.pipeline_model_parallel_size,
+            "dp": self.dp,
+            "arms": self.num_arms,
+        }
 
     def save(self) -> dict:
         """Converge (HDET ``converge_on_save``), then write ``SAVE/iter_XXXXXXX``. Collective."""
@@ -345,13 +364,22 @@ class Trainer(TrainerData):
         if not self.cuda:
             _in_process_results_queue()
         window = checkpointing.save_checkpoint(
-            self.args.save, self.iteration, self.model,
-            None if self.args.no_save_optim else self.optimizer, self.scheduler, self.hdet,
+            self.args.save,
+            self.iteration,
+            self.model,
+            None if self.args.no_save_optim else self.optimizer,
+            self.scheduler,
+            self.hdet,
             format=self.args.ckpt_format,
         )
         path = checkpointing.checkpoint_dir(self.args.save, self.iteration)
-        return {"type": "checkpoint", "iteration": self.iteration, "path": os.path.abspath(path),
-                "seconds": time.perf_counter() - start, "window": window}
+        return {
+            "type": "checkpoint",
+            "iteration": self.iteration,
+            "path": os.path.abspath(path),
+            "seconds": time.perf_counter() - start,
+            "window": window,
+        }
 
     def load(self) -> None:
         from hdet_megatron.megatron import checkpointing
@@ -362,8 +390,13 @@ class Trainer(TrainerData):
             return
         try:
             iteration = checkpointing.load_checkpoint(
-                args.load, self.model, self.optimizer, self.scheduler, self.hdet,
-                iteration=args.ckpt_step, load_optimizer=not args.no_load_optim,
+                args.load,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self.hdet,
+                iteration=args.ckpt_step,
+                load_optimizer=not args.no_load_optim,
                 load_rng=not args.no_load_rng,
                 override_hdet_config=True if args.override_opt_param_scheduler else None,
             )
@@ -383,7 +416,9 @@ class Trainer(TrainerData):
         # Megatron's pretraining sampler position (constant global batch size).
         self.consumed_train_samples = self.iteration * args.global_batch_size
         self.resumed_from = self.iteration
-        self.log(f"resumed from {checkpointing.checkpoint_dir(args.load, iteration)} at iteration {self.iteration}")
+        self.log(
+            f"resumed from {checkpointing.checkpoint_dir(args.load, iteration)} at iteration {self.iteration}"
+        )
 
     # -- output ----------------------------------------------------------------------------------
     def log(self, message: str) -> None:

@@ -28,30 +28,49 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prepare_data.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(
+        prog="prepare_data.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", nargs="+", metavar="PATH",
-                     help="text / JSONL files, directories or globs")
-    src.add_argument("--default-corpus", action="store_true",
-                     help="the running interpreter's top-level standard-library modules (<stdlib>/*.py)")
-    p.add_argument("--output-prefix", default=None,
-                   help="output prefix; files are PREFIX_text_document.{bin,idx,json} "
-                        "(default for --default-corpus: the cache directory)")
-    p.add_argument("--cache-dir", default=None,
-                   help="cache of the default corpus (default $HDET_DATA_CACHE or .hdet-cache/data)")
+    src.add_argument("--input", nargs="+", metavar="PATH", help="text / JSONL files, directories or globs")
+    src.add_argument(
+        "--default-corpus",
+        action="store_true",
+        help="the running interpreter's top-level standard-library modules (<stdlib>/*.py)",
+    )
+    p.add_argument(
+        "--output-prefix",
+        default=None,
+        help="output prefix; files are PREFIX_text_document.{bin,idx,json} "
+        "(default for --default-corpus: the cache directory)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="cache of the default corpus (default $HDET_DATA_CACHE or .hdet-cache/data)",
+    )
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL field(s) holding the text")
-    p.add_argument("--text-unit", choices=("file", "paragraph"), default="file",
-                   help="a plain-text document is a whole file or a blank-line-separated paragraph")
+    p.add_argument(
+        "--text-unit",
+        choices=("file", "paragraph"),
+        default="file",
+        help="a plain-text document is a whole file or a blank-line-separated paragraph",
+    )
     p.add_argument("--no-append-eod", action="store_true", help="do not append end-of-document tokens")
-    p.add_argument("--tokenizer-type", default="ByteLevel",
-                   choices=("ByteLevel", "GPT2BPETokenizer", "HuggingFaceTokenizer"))
+    p.add_argument(
+        "--tokenizer-type",
+        default="ByteLevel",
+        choices=("ByteLevel", "GPT2BPETokenizer", "HuggingFaceTokenizer"),
+    )
     p.add_argument("--vocab-file", default=None)
     p.add_argument("--merge-file", default=None)
     p.add_argument("--tokenizer-model", default=None, help="local HuggingFace tokenizer directory")
-    p.add_argument("--print-prefix", action="store_true",
-                   help="print only the --data-path value on stdout (for scripts)")
+    p.add_argument(
+        "--print-prefix", action="store_true", help="print only the --data-path value on stdout (for scripts)"
+    )
     return p
 
 
@@ -69,8 +88,10 @@ def main(argv=None) -> int:
 
         meta = cached_default_corpus(args.cache_dir)
         if meta is not None:
-            log(f"[data] default corpus (cached): {meta['description']}, {meta['tokens']:,} tokens "
-                f"in {meta['prefix']}.bin/.idx")
+            log(
+                f"[data] default corpus (cached): {meta['description']}, {meta['tokens']:,} tokens "
+                f"in {meta['prefix']}.bin/.idx"
+            )
             print(meta["prefix"] if args.print_prefix else f"--data-path {_show(meta['prefix'])}")
             return 0
     from hdet_megatron.megatron import data as D  # applies the CPU shims before megatron.core
@@ -78,17 +99,25 @@ def main(argv=None) -> int:
     try:
         if args.default_corpus:
             if args.tokenizer_type != "ByteLevel" or args.output_prefix:
-                raise D.DataError("--default-corpus is prepared with the byte-level tokenizer into the "
-                                  "cache; drop --tokenizer-type/--output-prefix (or use --input)")
+                raise D.DataError(
+                    "--default-corpus is prepared with the byte-level tokenizer into the "
+                    "cache; drop --tokenizer-type/--output-prefix (or use --input)"
+                )
             meta = D.prepare_default_corpus(args.cache_dir, log=log)
         else:
             if not args.output_prefix:
                 raise D.DataError("--output-prefix is required with --input")
-            tokenizer = D.build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file,
-                                          args.tokenizer_model)
+            tokenizer = D.build_tokenizer(
+                args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model
+            )
             meta = D.prepare_indexed_dataset(
-                args.input, args.output_prefix, tokenizer, json_keys=args.json_keys,
-                text_unit=args.text_unit, append_eod=not args.no_append_eod, log=log,
+                args.input,
+                args.output_prefix,
+                tokenizer,
+                json_keys=args.json_keys,
+                text_unit=args.text_unit,
+                append_eod=not args.no_append_eod,
+                log=log,
             )
     except D.DataError as exc:
         print(f"prepare_data.py: error: {exc}", file=sys.stderr)

@@ -37,7 +37,6 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-from gpt_trainer import PROCESS_START as _PROCESS_START, Trainer  # noqa: E402,F401  (first: the launch time)
 from gpt_args import (  # noqa: E402,F401  (re-exported for scripts and tests)
     DOCUMENT_SUFFIX,
     PROG,
@@ -49,6 +48,8 @@ from gpt_args import (  # noqa: E402,F401  (re-exported for scripts and tests)
     validate_args,
 )
 from gpt_loop import train  # noqa: E402
+from gpt_trainer import PROCESS_START as _PROCESS_START  # noqa: E402,F401  (first: the launch time)
+from gpt_trainer import Trainer
 
 from hdet_megatron.config import HDETConfigError  # noqa: E402
 
@@ -74,7 +75,10 @@ def _init_distributed(args) -> None:
         from hdet_megatron.megatron.cpu import apply_cpu_shims
 
         apply_cpu_shims(force=True)
-    if backend == "gloo" and os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]) == os.environ["WORLD_SIZE"]:
+    if (
+        backend == "gloo"
+        and os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]) == os.environ["WORLD_SIZE"]
+    ):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # single node: loopback is enough
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     if device == "cuda" and backend == "gloo":  # several ranks on one GPU: see gloo_cuda.py
@@ -104,7 +108,7 @@ def _let_rank0_report_first() -> None:
     time.sleep(RANK0_REPORT_WAIT_S)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
 
     def fail(message: str) -> int:
@@ -121,11 +125,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     _init_distributed(args)
     import torch.distributed as dist
 
+    from hdet_megatron.liveness import EXIT_NODE_LOST, start_liveness
     from hdet_megatron.megatron import cpu as _cpu  # noqa: F401
     from hdet_megatron.megatron.checkpointing import HDETCheckpointError
     from hdet_megatron.megatron.data import DataError
     from hdet_megatron.megatron.layout import HDETSetupError
-    from hdet_megatron.liveness import EXIT_NODE_LOST, start_liveness
 
     liveness = start_liveness(args.node_timeout, prog=PROG)
     try:

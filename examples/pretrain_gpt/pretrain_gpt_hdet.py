@@ -88,7 +88,11 @@ def require_patched() -> None:
 
 
 def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
@@ -99,7 +103,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         config = core_transformer_config_from_args(args)
     if args.transformer_impl == "local":
         layer_spec = get_gpt_layer_local_spec(
-            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
+            args.num_experts,
+            args.moe_grouped_gemm,
+            args.qk_layernorm,
             normalization=args.normalization,
         )
     else:
@@ -209,6 +215,7 @@ def main() -> None:
     # rank 0 prints one line, every rank exits 2 (launchers run the same check once before
     # torchrun: examples/pretrain_gpt/check_args.py).
     from check_args import check_megatron
+
     from hdet_megatron.preflight import InputError, fail
 
     try:

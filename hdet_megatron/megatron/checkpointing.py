@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -85,6 +86,7 @@ from hdet_megatron.megatron.ckpt.state import (  # noqa: F401  (re-exported)
 )
 from hdet_megatron.megatron.ckpt.torch_dist import _load_dist_tensors, _save_dist
 from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+
 from megatron.core import parallel_state as ps
 
 __all__ = [
@@ -117,7 +119,7 @@ def save_checkpoint(
     format: str = "torch_dist",
     distopt_sharding_type: str = DISTOPT_SHARDING_TYPE,
     save_rng: bool = True,
-) -> Optional[Any]:
+) -> Any | None:
     """Save a Megatron checkpoint of ``iteration`` under ``root`` (``root/iter_XXXXXXX`` plus
     Megatron-LM's tracker file). Collective: call on every rank.
 
@@ -199,8 +201,17 @@ def _check_common(common: Any, ckpt_dir: str) -> dict:
 
 #: Megatron scheduler fields its ``load_state_dict`` asserts equal when neither
 #: ``override_opt_param_scheduler`` nor ``use_checkpoint_opt_param_scheduler`` is set.
-_MEGATRON_CHECKED = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
-                     "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style")
+_MEGATRON_CHECKED = (
+    "max_lr",
+    "min_lr",
+    "lr_warmup_steps",
+    "lr_decay_steps",
+    "lr_decay_style",
+    "start_wd",
+    "end_wd",
+    "wd_incr_steps",
+    "wd_incr_style",
+)
 
 
 def _precheck_megatron_scheduler(scheduler, state: Mapping, ckpt_dir: str) -> None:
@@ -210,9 +221,11 @@ def _precheck_megatron_scheduler(scheduler, state: Mapping, ckpt_dir: str) -> No
         scheduler, "use_checkpoint_opt_param_scheduler", True
     ):
         return
-    diffs = [f"{k}: checkpoint {state[k]!r} vs this run {getattr(scheduler, k)!r}"
-             for k in _MEGATRON_CHECKED if k in state and hasattr(scheduler, k)
-             and state[k] != getattr(scheduler, k)]
+    diffs = [
+        f"{k}: checkpoint {state[k]!r} vs this run {getattr(scheduler, k)!r}"
+        for k in _MEGATRON_CHECKED
+        if k in state and hasattr(scheduler, k) and state[k] != getattr(scheduler, k)
+    ]
     if diffs:
         raise HDETCheckpointError(
             f"{ckpt_dir}: OptimizerParamScheduler values differ from the checkpoint's ({'; '.join(diffs)}) "
@@ -228,9 +241,9 @@ def load_checkpoint(
     scheduler,
     hdet=None,
     *,
-    iteration: Optional[int] = None,
-    format: Optional[str] = None,
-    override_hdet_config: Optional[bool] = None,
+    iteration: int | None = None,
+    format: str | None = None,
+    override_hdet_config: bool | None = None,
     load_optimizer: bool = True,
     load_rng: bool = True,
     strict: bool = True,
@@ -270,7 +283,9 @@ def load_checkpoint(
     with torch.no_grad():
         if fmt == "torch_dist":
             loaded = _load_dist_tensors(
-                ckpt_dir, model, optimizer if load_optimizer else None,
+                ckpt_dir,
+                model,
+                optimizer if load_optimizer else None,
                 load_rng and same_layout and saved_layout is not None,
                 (common.get("hdet_checkpoint") or {}).get("distopt_sharding_type", DISTOPT_SHARDING_TYPE),
             )

@@ -30,8 +30,8 @@ import inspect
 import sys
 import textwrap
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -111,9 +111,7 @@ SOURCE_REWRITES: tuple[SourceRewrite, ...] = (
     SourceRewrite("megatron.core.utils", "local_multi_tensor_l2_norm", _CUDA_DEVICE[1:]),
     # fp16 loss scalers keep their scale in a CUDA tensor.
     SourceRewrite("megatron.core.optimizer.grad_scaler", "MegatronGradScaler.__init__", _CUDA_DEVICE[:1]),
-    SourceRewrite(
-        "megatron.core.optimizer.grad_scaler", "DynamicGradScaler.__init__", _CUDA_DEVICE[:1]
-    ),
+    SourceRewrite("megatron.core.optimizer.grad_scaler", "DynamicGradScaler.__init__", _CUDA_DEVICE[:1]),
     # Global memory buffer used by TP sequence-parallel gathers and others.
     SourceRewrite("megatron.core.utils", "GlobalMemoryBuffer.get_tensor", _CURRENT_DEVICE),
     # DDP grad buffers and the grad-sync streams.
@@ -177,18 +175,14 @@ SOURCE_REWRITES: tuple[SourceRewrite, ...] = (
     SourceRewrite(
         "megatron.core.optimizer.optimizer", "MegatronOptimizer.has_grad_norm_group", _CUDA_DEVICE[:1]
     ),
-    SourceRewrite(
-        "megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.__init__", _CUDA_DEVICE[:1]
-    ),
+    SourceRewrite("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.__init__", _CUDA_DEVICE[:1]),
     SourceRewrite(
         "megatron.core.optimizer.optimizer",
         "Float16OptimizerWithFloat16Params.__init__",
         _TYPE_CHECKS,
     ),
     SourceRewrite("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__", _CUDA_DEVICE[:1]),
-    SourceRewrite(
-        "megatron.core.optimizer.optimizer", "ChainedOptimizer.get_loss_scale", _CURRENT_DEVICE
-    ),
+    SourceRewrite("megatron.core.optimizer.optimizer", "ChainedOptimizer.get_loss_scale", _CURRENT_DEVICE),
     SourceRewrite(
         "megatron.core.optimizer.distrib_optimizer",
         "DistributedOptimizer._build_model_and_main_param_groups",
@@ -209,7 +203,12 @@ SOURCE_REWRITES: tuple[SourceRewrite, ...] = (
     SourceRewrite(
         "megatron.core.distributed.torch_fully_sharded_data_parallel",
         "TorchFullyShardedDataParallel.__init__",
-        (('DeviceMesh.from_group(self.process_group, "cuda")', 'DeviceMesh.from_group(self.process_group, "cpu")'),),
+        (
+            (
+                'DeviceMesh.from_group(self.process_group, "cuda")',
+                'DeviceMesh.from_group(self.process_group, "cpu")',
+            ),
+        ),
     ),
     # dist_checkpointing (torch_dist) save: device-to-host staging ends with a CUDA sync.
     SourceRewrite(
@@ -262,8 +261,10 @@ def _resolve(module: types.ModuleType, qualname: str):
     parts = qualname.split(".")
     for part in parts[:-1]:
         owner = getattr(owner, part)
-    return owner, parts[-1], owner.__dict__[parts[-1]] if isinstance(owner, type) else getattr(
-        owner, parts[-1]
+    return (
+        owner,
+        parts[-1],
+        owner.__dict__[parts[-1]] if isinstance(owner, type) else getattr(owner, parts[-1]),
     )
 
 
@@ -333,10 +334,10 @@ def _install_rng_shims() -> None:
         # generator: record a state seeded with ``seed`` without disturbing the current one.
         self._is_initialized = True
         if seed in self.seeds_:
-            raise Exception("seed {} already exists".format(seed))
+            raise Exception(f"seed {seed} already exists")
         self.seeds_.add(seed)
         if name in self.states_:
-            raise Exception("cuda rng state {} already exists".format(name))
+            raise Exception(f"cuda rng state {name} already exists")
         orig_rng_state = torch.get_rng_state()
         torch.manual_seed(seed)
         self.states_[name] = torch.get_rng_state()
@@ -344,9 +345,7 @@ def _install_rng_shims() -> None:
 
     _STATE.rewritten["tensor_parallel.random._get_cuda_rng_state"] = mp_random._get_cuda_rng_state
     _STATE.rewritten["tensor_parallel.random._set_cuda_rng_state"] = mp_random._set_cuda_rng_state
-    _STATE.rewritten["tensor_parallel.random.CudaRNGStatesTracker.add"] = (
-        mp_random.CudaRNGStatesTracker.add
-    )
+    _STATE.rewritten["tensor_parallel.random.CudaRNGStatesTracker.add"] = mp_random.CudaRNGStatesTracker.add
     mp_random._get_cuda_rng_state = _get_cpu_rng_state
     mp_random._set_cuda_rng_state = _set_cpu_rng_state
     mp_random.CudaRNGStatesTracker.add = add

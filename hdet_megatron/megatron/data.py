@@ -20,8 +20,9 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Optional
 
 import numpy
 
@@ -37,6 +38,7 @@ from hdet_megatron.corpus import (  # noqa: F401  (re-exported)
     sidecar_path,
 )
 from hdet_megatron.megatron import cpu as _cpu  # noqa: F401  (shims before megatron.core)
+
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 from megatron.core.tokenizers.base_tokenizer import MegatronTokenizerBase
 
@@ -151,14 +153,21 @@ class HFTokenizer(MegatronTokenizerBase):
 
 def build_tokenizer(
     tokenizer_type: str = "ByteLevel",
-    vocab_file: Optional[str] = None,
-    merge_file: Optional[str] = None,
-    tokenizer_model: Optional[str] = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    tokenizer_model: str | None = None,
 ) -> MegatronTokenizerBase:
     """The tokenizer named by Megatron-LM style flags. Never downloads anything."""
     if tokenizer_type == "ByteLevel":
-        extra = [n for n, v in (("--vocab-file", vocab_file), ("--merge-file", merge_file),
-                                ("--tokenizer-model", tokenizer_model)) if v]
+        extra = [
+            n
+            for n, v in (
+                ("--vocab-file", vocab_file),
+                ("--merge-file", merge_file),
+                ("--tokenizer-model", tokenizer_model),
+            )
+            if v
+        ]
         if extra:
             raise DataError(
                 f"{', '.join(extra)} given with the byte-level tokenizer; add "
@@ -179,13 +188,18 @@ def build_tokenizer(
     if tokenizer_type == "GPT2BPETokenizer":
         missing = [n for n, v in (("--vocab-file", vocab_file), ("--merge-file", merge_file)) if not v]
         if missing:
-            raise DataError(f"GPT2BPETokenizer needs {' and '.join(missing)} (local GPT-2 vocab.json / merges.txt)")
+            raise DataError(
+                f"GPT2BPETokenizer needs {' and '.join(missing)} (local GPT-2 vocab.json / merges.txt)"
+            )
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
             if not os.path.isfile(path):
                 raise DataError(f"{flag} {path}: no such file")
         tok = transformers.GPT2TokenizerFast(vocab_file=vocab_file, merges_file=merge_file)
-        return HFTokenizer(tokenizer_type, tok, {"vocab_file": os.path.abspath(vocab_file),
-                                                 "merge_file": os.path.abspath(merge_file)})
+        return HFTokenizer(
+            tokenizer_type,
+            tok,
+            {"vocab_file": os.path.abspath(vocab_file), "merge_file": os.path.abspath(merge_file)},
+        )
     if not tokenizer_model or not os.path.exists(tokenizer_model):
         raise DataError(
             "HuggingFaceTokenizer needs --tokenizer-model pointing to a local tokenizer directory "
@@ -210,7 +224,9 @@ class CorpusStats:
 def expand_inputs(inputs: Sequence[str]) -> list[str]:
     """Files named by ``inputs``: files, directories (recursively: text and JSONL files) or globs."""
     if not inputs:
-        raise DataError("no input given: pass --input FILE|DIR|GLOB (plain text or JSONL) or --default-corpus")
+        raise DataError(
+            "no input given: pass --input FILE|DIR|GLOB (plain text or JSONL) or --default-corpus"
+        )
     files: list[str] = []
     for item in inputs:
         if os.path.isdir(item):
@@ -239,7 +255,7 @@ def iter_documents(
     files: Sequence[str],
     json_keys: Sequence[str] = ("text",),
     text_unit: str = "file",
-    stats: Optional[CorpusStats] = None,
+    stats: CorpusStats | None = None,
 ) -> Iterator[str]:
     """Documents of the corpus: one per JSON line (``json_keys`` concatenated with blank lines),
     and one per text file (``text_unit="file"``) or per blank-line-separated paragraph
@@ -254,7 +270,7 @@ def iter_documents(
         if path.endswith(JSON_SUFFIXES):
             docs = _json_documents(path, json_keys)
         else:
-            with open(path, "r", encoding="utf-8", errors="replace") as fh:
+            with open(path, encoding="utf-8", errors="replace") as fh:
                 text = fh.read()
             docs = [text] if text_unit == "file" else text.split("\n\n")
         for doc in docs:
@@ -266,14 +282,16 @@ def iter_documents(
 
 
 def _json_documents(path: str, json_keys: Sequence[str]) -> Iterator[str]:
-    with open(path, "r", encoding="utf-8", errors="replace") as fh:
+    with open(path, encoding="utf-8", errors="replace") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg}); expected one JSON object per line") from None
+                raise DataError(
+                    f"{path}:{lineno}: not valid JSON ({exc.msg}); expected one JSON object per line"
+                ) from None
             if not isinstance(record, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object with a {json_keys[0]!r} field")
             missing = [k for k in json_keys if k not in record]
@@ -295,11 +313,11 @@ def _json_documents(path: str, json_keys: Sequence[str]) -> Iterator[str]:
 def prepare_indexed_dataset(
     inputs: Sequence[str],
     output_prefix: str,
-    tokenizer: Optional[MegatronTokenizerBase] = None,
+    tokenizer: MegatronTokenizerBase | None = None,
     json_keys: Sequence[str] = ("text",),
     text_unit: str = "file",
     append_eod: bool = True,
-    extra_metadata: Optional[dict] = None,
+    extra_metadata: dict | None = None,
     log=print,
 ) -> dict:
     """Tokenize ``inputs`` into ``<output_prefix>_text_document.{bin,idx}`` (+ ``.json``).
@@ -320,7 +338,11 @@ def prepare_indexed_dataset(
     builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
     try:
         for doc in iter_documents(files, json_keys, text_unit, stats):
-            ids = tokenizer.tokenize_array(doc) if hasattr(tokenizer, "tokenize_array") else numpy.asarray(tokenizer.tokenize(doc))
+            ids = (
+                tokenizer.tokenize_array(doc)
+                if hasattr(tokenizer, "tokenize_array")
+                else numpy.asarray(tokenizer.tokenize(doc))
+            )
             if append_eod:
                 ids = numpy.concatenate([ids.astype(numpy.int64), [tokenizer.eod]])
             if ids.size == 0:
@@ -337,7 +359,9 @@ def prepare_indexed_dataset(
         meta = {
             "format": SIDECAR_FORMAT,
             "prefix": os.path.abspath(prefix),
-            "tokenizer": tokenizer.describe() if hasattr(tokenizer, "describe") else {"vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod},
+            "tokenizer": tokenizer.describe()
+            if hasattr(tokenizer, "describe")
+            else {"vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod},
             "documents": stats.documents,
             "skipped_empty_documents": stats.empty_documents,
             "tokens": tokens,
@@ -371,13 +395,15 @@ def prepare_indexed_dataset(
 # --- the embedded default corpus (see hdet_megatron.corpus) ----------------------------------
 
 
-def prepare_default_corpus(cache_dir: Optional[str] = None, log=print) -> dict:
+def prepare_default_corpus(cache_dir: str | None = None, log=print) -> dict:
     """Prepare (once; cached by content fingerprint) the default corpus; returns its metadata."""
     meta = cached_default_corpus(cache_dir)
     if meta is not None:
         if log:
-            log(f"[data] default corpus (cached): {meta['description']}, {meta['tokens']:,} tokens "
-                f"in {meta['prefix']}.bin/.idx")
+            log(
+                f"[data] default corpus (cached): {meta['description']}, {meta['tokens']:,} tokens "
+                f"in {meta['prefix']}.bin/.idx"
+            )
         return meta
     try:
         files = default_corpus_files()
@@ -388,7 +414,9 @@ def prepare_default_corpus(cache_dir: Optional[str] = None, log=print) -> dict:
     if log:
         log(f"[data] preparing the default corpus: {description}")
     return prepare_indexed_dataset(
-        files, default_corpus_output_prefix(cache_dir, fingerprint), ByteLevelTokenizer(),
+        files,
+        default_corpus_output_prefix(cache_dir, fingerprint),
+        ByteLevelTokenizer(),
         extra_metadata={"fingerprint": fingerprint, "description": description, "default_corpus": True},
         log=log,
     )
@@ -397,7 +425,7 @@ def prepare_default_corpus(cache_dir: Optional[str] = None, log=print) -> dict:
 # --- checks before Megatron builds the splits --------------------------------------------------
 
 
-def parse_data_path(items: Sequence[str]) -> tuple[list[str], Optional[list[float]]]:
+def parse_data_path(items: Sequence[str]) -> tuple[list[str], list[float] | None]:
     """Megatron's ``--data-path``: ``PREFIX [PREFIX ...]`` or ``W1 PREFIX1 W2 PREFIX2 ...``."""
     items = list(items)
     if not items:
@@ -430,7 +458,7 @@ def check_prefix_exists(prefix: str) -> None:
         )
 
 
-def split_bookends(split: str) -> list[Optional[tuple[float, float]]]:
+def split_bookends(split: str) -> list[tuple[float, float] | None]:
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
         parse_and_normalize_split,
@@ -439,7 +467,9 @@ def split_bookends(split: str) -> list[Optional[tuple[float, float]]]:
     try:
         vector = parse_and_normalize_split(split)
     except (AssertionError, ValueError, ZeroDivisionError):
-        raise DataError(f"--split {split!r}: expected up to three non-negative weights 'train,valid,test', e.g. 969,30,1") from None
+        raise DataError(
+            f"--split {split!r}: expected up to three non-negative weights 'train,valid,test', e.g. 969,30,1"
+        ) from None
     return convert_split_vector_to_split_matrix(vector)
 
 
@@ -460,8 +490,9 @@ def split_token_counts(prefix: str, split: str) -> list[dict]:
     return out
 
 
-def check_dataset_fits(prefixes: Sequence[str], split: str, seq_length: int,
-                       need_valid: bool, need_test: bool = False) -> list[list[dict]]:
+def check_dataset_fits(
+    prefixes: Sequence[str], split: str, seq_length: int, need_valid: bool, need_test: bool = False
+) -> list[list[dict]]:
     """Raise :class:`DataError` if a split that will be used cannot fill one sequence.
 
     A GPT sample takes ``seq_length + 1`` consecutive tokens (documents are concatenated), so
@@ -474,7 +505,11 @@ def check_dataset_fits(prefixes: Sequence[str], split: str, seq_length: int,
         counts = split_token_counts(prefix, split)
         report.append(counts)
         for c in counts:
-            used = c["split"] == "train" or (c["split"] == "valid" and need_valid) or (c["split"] == "test" and need_test)
+            used = (
+                c["split"] == "train"
+                or (c["split"] == "valid" and need_valid)
+                or (c["split"] == "test" and need_test)
+            )
             if not used:
                 continue
             if c["documents"] == 0:
@@ -498,14 +533,14 @@ def check_dataset_fits(prefixes: Sequence[str], split: str, seq_length: int,
 
 def build_gpt_datasets(
     *,
-    data_path: Optional[Sequence[str]],
+    data_path: Sequence[str] | None,
     mock: bool,
     split: str,
     seq_length: int,
     seed: int,
     sizes: Sequence[int],
     tokenizer: MegatronTokenizerBase,
-    cache_path: Optional[str] = None,
+    cache_path: str | None = None,
 ):
     """(train, valid, test) datasets through ``BlendedMegatronDatasetBuilder``. Collective."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -536,8 +571,9 @@ class PretrainingSampler:
     indices from ``consumed_samples`` on; DP rank ``r`` takes slice ``r`` of each global step's
     ``micro_batch_size * dp_size`` indices (so a resumed run continues with the next sample)."""
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int) -> None:
+    def __init__(
+        self, total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int
+    ) -> None:
         if consumed_samples >= total_samples:
             raise DataError(f"no samples left: consumed {consumed_samples} of {total_samples}")
         self.total, self.consumed = total_samples, consumed_samples
@@ -556,8 +592,9 @@ def batch_iterator(dataset, sampler: PretrainingSampler, device=None) -> Iterato
 
     for indices in sampler:
         samples = [dataset[i] for i in indices]
-        batch = {k: torch.stack([s[k] for s in samples]) for k in ("tokens", "labels", "loss_mask", "position_ids")}
+        batch = {
+            k: torch.stack([s[k] for s in samples]) for k in ("tokens", "labels", "loss_mask", "position_ids")
+        }
         if device is not None:
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         yield batch
-

@@ -41,7 +41,8 @@ HDET for Megatron-FSDP is not built and :class:`TorchFSDPHDET` refuses its chunk
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,7 @@ from hdet_megatron.fsdp import (
 from hdet_megatron.megatron import cpu as _cpu  # noqa: F401  (shims before megatron.core)
 from hdet_megatron.megatron.layout import ArmLayout, HDETSetupError
 from hdet_megatron.megatron.runtime import HDET, main_params
+
 from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
 from megatron.core.distributed.torch_fully_sharded_data_parallel_config import (
     TorchFullyShardedDataParallelConfig,
@@ -107,7 +109,7 @@ def wrap_torch_fsdp2(
     module: torch.nn.Module,
     config,
     layout: ArmLayout,
-    ddp_config: Optional[TorchFullyShardedDataParallelConfig] = None,
+    ddp_config: TorchFullyShardedDataParallelConfig | None = None,
     **kwargs,
 ) -> TorchFullyShardedDataParallel:
     """Megatron's ``TorchFullyShardedDataParallel`` sharding inside each HDET arm (HSDP).

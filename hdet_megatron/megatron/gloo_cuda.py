@@ -47,8 +47,7 @@ def _issue(op, group):
     if name in _ALL_GATHER:
         return dist.all_gather_into_tensor(op.dst_tensor, op.tensor, group=group, async_op=True)
     if name in _REDUCE_SCATTER:
-        return dist.reduce_scatter_tensor(op.dst_tensor, op.tensor, op=op.redop, group=group,
-                                          async_op=True)
+        return dist.reduce_scatter_tensor(op.dst_tensor, op.tensor, op=op.redop, group=group, async_op=True)
     raise RuntimeError(f"gloo CUDA adapter: cannot issue a captured {name or op.op!r} on its own")
 
 

@@ -13,6 +13,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from hdet_megatron.megatron import cpu as _cpu  # noqa: F401  (shims before megatron.core)
+
 from megatron.core import parallel_state
 
 
@@ -38,11 +39,11 @@ class ArmLayout:
     """Global ranks of this arm's replicas at this rank's TP/PP position."""
     cross_arm_ranks: tuple[int, ...]
     """Global ranks holding the same shard in every arm (converge averages over these)."""
-    arm_group: Optional[dist.ProcessGroup]
+    arm_group: dist.ProcessGroup | None
     """Group of :attr:`arm_ranks`."""
-    cross_arm_group: Optional[dist.ProcessGroup]
+    cross_arm_group: dist.ProcessGroup | None
     """Group of :attr:`cross_arm_ranks`."""
-    loss_group: Optional[dist.ProcessGroup]
+    loss_group: dist.ProcessGroup | None
     """Group for the per-window loss reduction: the whole world, so every TP/PP rank computes
     the identical controller update."""
     is_loss_reporter: bool
@@ -51,15 +52,26 @@ class ArmLayout:
     """Last pipeline stage (``forward_backward_func`` returns losses here only)."""
 
     @classmethod
-    def single(cls) -> "ArmLayout":
+    def single(cls) -> ArmLayout:
         """One process, one replica, one arm (no torch.distributed): for a scheduler used
         without a process group."""
-        return cls(num_arms=1, arm=0, dp_size=1, dp_rank=0, replicas_per_arm=1, arm_ranks=(0,),
-                   cross_arm_ranks=(0,), arm_group=None, cross_arm_group=None, loss_group=None,
-                   is_loss_reporter=True, is_last_stage=True)
+        return cls(
+            num_arms=1,
+            arm=0,
+            dp_size=1,
+            dp_rank=0,
+            replicas_per_arm=1,
+            arm_ranks=(0,),
+            cross_arm_ranks=(0,),
+            arm_group=None,
+            cross_arm_group=None,
+            loss_group=None,
+            is_loss_reporter=True,
+            is_last_stage=True,
+        )
 
     @classmethod
-    def from_parallel_state(cls, arms: Optional[int] = None, pg_collection=None) -> "ArmLayout":
+    def from_parallel_state(cls, arms: int | None = None, pg_collection=None) -> ArmLayout:
         """Build from Megatron's ``parallel_state`` (or an injected ``ProcessGroupCollection``).
 
         Collective: every rank of the world must call it, in the same order.
@@ -81,9 +93,7 @@ class ArmLayout:
             pp_group = parallel_state.get_pipeline_model_parallel_group()
             cp_size = parallel_state.get_context_parallel_world_size()
         if cp_size != 1:
-            raise HDETSetupError(
-                f"context parallel size {cp_size} is not supported by HDET yet; use CP=1"
-            )
+            raise HDETSetupError(f"context parallel size {cp_size} is not supported by HDET yet; use CP=1")
         dp_ranks = tuple(dist.get_process_group_ranks(dp_group))
         dp_size = len(dp_ranks)
         dp_rank = dp_ranks.index(dist.get_rank())
@@ -140,9 +150,7 @@ class ArmLayout:
             )
         instance_ranks = tuple(
             dist.get_process_group_ranks(
-                parallel_state.get_data_parallel_group(
-                    with_context_parallel=True, partial_data_parallel=True
-                )
+                parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
             )
         )
         if instance_ranks != self.arm_ranks:

@@ -15,8 +15,9 @@ The values are written into the attributes the forward pass reads (not just the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 

@@ -20,8 +20,9 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ from hdet_megatron.megatron.grad_sync import ArmGradSync
 from hdet_megatron.megatron.layout import ArmLayout, HDETSetupError
 from hdet_megatron.megatron.module_axes import ModuleAxes
 from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
@@ -63,7 +65,7 @@ class WindowMetrics:
     """Per axis: the spread value (multiplier/offset) each arm used in the window."""
     excluded: list[int]
     """Arms excluded from the converge (non-finite loss)."""
-    update: Optional[dict]
+    update: dict | None
     """The controller update (``ControllerUpdate.to_dict()``)."""
     scales: dict[str, float]
     """Controller scales after the update."""
@@ -75,14 +77,14 @@ class WindowMetrics:
     """Converge requested by :meth:`HDET.converge` (e.g. before a checkpoint save)."""
     rolled_back: bool = False
     """Every arm diverged and the last converged state was restored (``rollback=True``)."""
-    arm_train_losses: Optional[list[float]] = None
+    arm_train_losses: list[float] | None = None
     """Mean training loss of each arm over the window (equal to ``arm_losses`` with
     ``signal="train"``)."""
-    grad_bytes_per_step: Optional[int] = None
+    grad_bytes_per_step: int | None = None
     """Bytes of gradients this rank reduces per step in Megatron DDP's data-parallel gradient
     sync (its grad buffers: all-reduce, or reduce-scatter with DistOpt), for comparison with
     ``converge_bytes / steps``; None when the chunks have no Megatron grad buffers (FSDP2)."""
-    line: Optional[dict] = None
+    line: dict | None = None
     """With ``signal="line"``: the window's line search (``LineFit.to_dict()``): the points, the
     mean loss at each, the fitted slope and curvature, the persistence and the pseudo-losses
     (which are ``arm_losses``)."""
@@ -128,15 +130,19 @@ def _sanitize_optimizer_state(optimizer) -> None:
                     torch.nan_to_num_(value, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def _grad_buffer_bytes(chunks) -> Optional[int]:
+def _grad_buffer_bytes(chunks) -> int | None:
     """Bytes of Megatron DDP's gradient buffers on this rank (``DistributedDataParallel.buffers``
     and ``expert_parallel_buffers``, each a ``_ParamAndGradBuffer`` with ``grad_data``): what
     its data-parallel gradient sync reduces per step. None without such buffers."""
     total, found = 0, False
     for chunk in chunks:
         # Megatron DDP's attributes are lists; on any other nn.Module ``buffers`` is the method.
-        bufs = [b for name in ("buffers", "expert_parallel_buffers")
-                if isinstance(getattr(chunk, name, None), (list, tuple)) for b in getattr(chunk, name)]
+        bufs = [
+            b
+            for name in ("buffers", "expert_parallel_buffers")
+            if isinstance(getattr(chunk, name, None), (list, tuple))
+            for b in getattr(chunk, name)
+        ]
         for buf in bufs:
             grad = getattr(buf, "grad_data", None)
             if isinstance(grad, torch.Tensor):
@@ -184,10 +190,10 @@ def _copying_param_state(method, homed_ids: set[int]):
 class RollbackStore:
     """The last converged main params, in host memory or on disk (one file per rank)."""
 
-    def __init__(self, tensors: list[torch.Tensor], directory: Optional[str]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], directory: str | None) -> None:
         self.tensors = tensors
         self.directory = directory
-        self._host: Optional[list[torch.Tensor]] = None
+        self._host: list[torch.Tensor] | None = None
         if directory is not None:
             os.makedirs(directory, exist_ok=True)
             self.path = os.path.join(directory, f"hdet-rollback-rank{dist.get_rank()}.pt")
@@ -243,8 +249,8 @@ class HDET:
         scheduler: HDETOptimizerParamScheduler,
         pg_collection=None,
         loss_keys: Sequence[str] = DEFAULT_LOSS_KEYS,
-        rollback_dir: Optional[str] = None,
-        probe_fn: Optional[Callable[[], Sequence[Any]]] = None,
+        rollback_dir: str | None = None,
+        probe_fn: Callable[[], Sequence[Any]] | None = None,
     ) -> None:
         if not isinstance(scheduler, HDETOptimizerParamScheduler):
             raise HDETSetupError(
@@ -302,9 +308,9 @@ class HDET:
         # copy of this arm's end point, to rebuild any point of the update line; "average" also
         # sums the displacements theta_t - theta0 over the window (2 or 3 copies of the main
         # params: the signals' memory cost).
-        self._line_origin: Optional[list[torch.Tensor]] = None
-        self._line_scratch: Optional[list[torch.Tensor]] = None
-        self._line_sum: Optional[list[torch.Tensor]] = None
+        self._line_origin: list[torch.Tensor] | None = None
+        self._line_scratch: list[torch.Tensor] | None = None
+        self._line_sum: list[torch.Tensor] | None = None
         self._line_valid = False
         self.steps_in_window = 0
         if config.signal in LINE_SIGNALS:
@@ -317,15 +323,13 @@ class HDET:
         self.rollbacks = 0
         self.iteration = 0
         self.history: list[WindowMetrics] = []
-        self.last_update: Optional[ControllerUpdate] = None
+        self.last_update: ControllerUpdate | None = None
         scheduler.hdet_runtime = self
         self.on_window_change()
 
     def on_window_change(self) -> None:
         """Apply this arm's module-axis values for the scheduler's current window."""
-        self.module_axes.apply(
-            self.scheduler.controller.scales(), self.scheduler.arm_spread_values()
-        )
+        self.module_axes.apply(self.scheduler.controller.scales(), self.scheduler.arm_spread_values())
 
     # -- extension points (hdet_megatron.megatron.fsdp overrides them) --------------------------
     def _converge_tensors(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -370,7 +374,9 @@ class HDET:
                 continue
             if hasattr(sub, "fp32_from_float16_groups") and "state_dict" not in vars(sub):
                 sub.state_dict = _copying_state_dict(sub.state_dict, ids)
-            if isinstance(sub, DistributedOptimizer) and "get_parameter_state_dp_reshardable" not in vars(sub):
+            if isinstance(sub, DistributedOptimizer) and "get_parameter_state_dp_reshardable" not in vars(
+                sub
+            ):
                 sub.get_parameter_state_dp_reshardable = _copying_param_state(
                     sub.get_parameter_state_dp_reshardable, ids
                 )
@@ -411,7 +417,7 @@ class HDET:
             values.append(value.reshape(()).to(torch.float64))
         return torch.stack(values).mean()
 
-    def step(self, losses: Optional[Sequence[Any]]) -> Optional[WindowMetrics]:
+    def step(self, losses: Sequence[Any] | None) -> WindowMetrics | None:
         """Account one iteration; converge at the end of a window. Collective every ``period``.
 
         ``losses`` is what ``forward_backward_func`` returned on this rank (per-microbatch loss
@@ -434,7 +440,7 @@ class HDET:
             return self._end_window(forced=False)
         return None
 
-    def converge(self) -> Optional[WindowMetrics]:
+    def converge(self) -> WindowMetrics | None:
         """Converge now (e.g. before saving a checkpoint) and start a new window.
 
         Collective. A no-op when the current window has no steps yet.
@@ -444,7 +450,7 @@ class HDET:
         return self._end_window(forced=True)
 
     # -- the converge ---------------------------------------------------------------------------
-    def _probe_loss(self) -> Optional[torch.Tensor]:
+    def _probe_loss(self) -> torch.Tensor | None:
         """This rank's loss on the shared probe batch (None off the last pipeline stage)."""
         losses = self.probe_fn()
         if not self.layout.is_last_stage:
@@ -456,9 +462,7 @@ class HDET:
             )
         return self._step_loss(losses)
 
-    def _reduce_arm_losses(
-        self, probe: Optional[torch.Tensor]
-    ) -> tuple[list[float], list[bool], list[float]]:
+    def _reduce_arm_losses(self, probe: torch.Tensor | None) -> tuple[list[float], list[bool], list[float]]:
         """Per arm: the controller's signal (``probe``'s value where given, else the mean window
         training loss), whether any of its ranks holds non-finite params, and the mean window
         training loss."""
@@ -510,7 +514,7 @@ class HDET:
             self._line_valid = self.steps_in_window == 0
 
     @torch.no_grad()
-    def _line_probe(self, arm_values: dict) -> tuple[list[float], Optional[torch.Tensor]]:
+    def _line_probe(self, arm_values: dict) -> tuple[list[float], torch.Tensor | None]:
         """``signal="line"``: this rank's probe loss at every point of the window's update line.
 
         The arm's main params are ``theta0 - rho * D``; the point of multiplier ``s`` is
@@ -627,7 +631,9 @@ class HDET:
         logger.warning(
             "HDET: every arm diverged in window %d (losses %s); restored the last converged "
             "parameters and cut the scale to %s",
-            self.scheduler.window, arm_losses, self.scheduler.controller.scales(),
+            self.scheduler.window,
+            arm_losses,
+            self.scheduler.controller.scales(),
         )
         metrics = WindowMetrics(
             window=self.scheduler.window,
@@ -680,7 +686,7 @@ class HDET:
     def load_runtime_state_dict(self, state: dict) -> None:
         ckpt_state.load_runtime_state(self, state)
 
-    def prepare_save(self) -> Optional[WindowMetrics]:
+    def prepare_save(self) -> WindowMetrics | None:
         """Call on every rank before writing a checkpoint: converges a partial window when
         ``config.converge_on_save`` (returns its metrics), else records the window's per-arm
         losses for the checkpoint. ``checkpointing.save_checkpoint`` calls it for you."""

@@ -23,6 +23,7 @@ from hdet_megatron.megatron.ckpt import resume as ckpt_resume
 from hdet_megatron.megatron.ckpt import state as ckpt_state
 from hdet_megatron.megatron.layout import ArmLayout, HDETSetupError
 from hdet_megatron.spread import arm_axis_value, arm_spread
+
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,7 @@ MODULE_AXES = ("dropout", "attention_temperature")
 #: ``get_standard_config_overrides``.)
 BUILTIN_GROUPS = {
     "no_wd": lambda g, max_lr: g.get("wd_mult", 1.0) == 0.0,
-    "decoupled": lambda g, max_lr: bool(g.get("is_decoupled_lr", False))
-    or g.get("max_lr", max_lr) != max_lr,
+    "decoupled": lambda g, max_lr: bool(g.get("is_decoupled_lr", False)) or g.get("max_lr", max_lr) != max_lr,
     "expert": lambda g, max_lr: bool(g.get("is_expert_parallel", False)),
 }
 #: Param-group key a ``config_overrides`` entry can set to name a group (see
@@ -84,8 +84,8 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
         self,
         optimizer,
         *args: Any,
-        hdet: Optional[HDETConfig] = None,
-        layout: Optional[ArmLayout] = None,
+        hdet: HDETConfig | None = None,
+        layout: ArmLayout | None = None,
         **kwargs: Any,
     ) -> None:
         if hdet is not None and not isinstance(hdet, HDETConfig):
@@ -94,7 +94,7 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
         # Set by HDET (the runtime object) so that its window state travels with this state.
         self.hdet_runtime = None
         self.window = 0
-        self._group_axes: Optional[list] = None
+        self._group_axes: list | None = None
         self._bases: list[tuple[float, float]] = []
         if hdet is None:
             # HDET off: exactly Megatron's scheduler (same values, same state dict, no process
@@ -129,7 +129,7 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
                 "OptimizerParamScheduler); pass hdet=HDETConfig(...)"
             )
 
-    def _resolve_group_axes(self, optimizer) -> list[Optional[str]]:
+    def _resolve_group_axes(self, optimizer) -> list[str | None]:
         """For each param group, the name of the LR axis that scales it (or None)."""
         group_axes = [a for a in self.hdet_config.axes if a.group is not None]
         groups = optimizer.param_groups
@@ -138,7 +138,7 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
             return ["lr" if has_lr else None for _ in groups]
         named = [a for a in group_axes if a.group != "default"]
         default = next((a for a in group_axes if a.group == "default"), None)
-        resolved: list[Optional[str]] = []
+        resolved: list[str | None] = []
         for index, group in enumerate(groups):
             hits = [a.name for a in named if group_matches(a.group, group, self.max_lr)]
             if len(hits) > 1:
@@ -177,7 +177,7 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
         without HDET)."""
         return {name: list(values) for name, values in self._spread.items()}
 
-    def arm_factor(self, axis_name: str, arm: Optional[int] = None) -> float:
+    def arm_factor(self, axis_name: str, arm: int | None = None) -> float:
         """``scale * rho`` of ``arm`` (default: this rank's) on a multiplicative axis (1 without
         HDET or without that axis)."""
         axis = self.hdet_config.axis(axis_name) if self.hdet_config is not None else None
@@ -186,13 +186,11 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
         arm = self.layout.arm if arm is None else arm
         return self.controller.scale(axis_name) * self._spread[axis_name][arm]
 
-    def _apply(self, name: Optional[str], base: float) -> float:
+    def _apply(self, name: str | None, base: float) -> float:
         axis = self.hdet_config.axis(name) if name is not None else None
         if axis is None:
             return base
-        return arm_axis_value(
-            axis, base, self.controller.scale(name), self._spread[name][self.layout.arm]
-        )
+        return arm_axis_value(axis, base, self.controller.scale(name), self._spread[name][self.layout.arm])
 
     def base_lr(self) -> float:
         """The un-spread base learning rate of the first (default) param group now."""
@@ -235,17 +233,17 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
         # on a window change: so a load leaves exactly Megatron's values, whose weight decay
         # still follows the constructor's wd settings until the next step).
         self._bases = [
-            (self.get_lr(group) if isinstance(group["lr"], torch.Tensor) else group["lr"],
-             group["weight_decay"])
+            (
+                self.get_lr(group) if isinstance(group["lr"], torch.Tensor) else group["lr"],
+                group["weight_decay"],
+            )
             for group in self.optimizer.param_groups
         ]
         self._apply_factors()
 
     def _check_groups(self) -> None:
         if len(self._group_axes) != len(self.optimizer.param_groups):
-            raise HDETSetupError(
-                "the optimizer's param groups changed after the HDET scheduler was built"
-            )
+            raise HDETSetupError("the optimizer's param groups changed after the HDET scheduler was built")
 
     def _apply_factors(self) -> None:
         """This arm's ``lr`` and ``weight_decay`` from the base values of Megatron's last step."""
@@ -262,11 +260,11 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
     #: On load, whose HDET config wins when it differs from the checkpoint's: True = this run's,
     #: False = the checkpoint's, None = follow Megatron's ``override_opt_param_scheduler`` /
     #: ``use_checkpoint_opt_param_scheduler`` (default: the checkpoint's).
-    override_hdet_config: Optional[bool] = None
+    override_hdet_config: bool | None = None
     #: Like Megatron's ``use_checkpoint_opt_param_scheduler`` for the HDET config (None = follow
     #: it); with neither this nor an override, a config mismatch is an error.
-    use_checkpoint_hdet_config: Optional[bool] = None
-    _hdet_pending_runtime: Optional[dict] = None
+    use_checkpoint_hdet_config: bool | None = None
+    _hdet_pending_runtime: dict | None = None
 
     @property
     def hdet_runtime(self):
@@ -302,6 +300,6 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
             return
         ckpt_resume.load_scheduler_state(self, state_dict, super().load_state_dict)
 
-    def load_hdet_state_dict(self, state: dict, override: Optional[bool] = None) -> None:
+    def load_hdet_state_dict(self, state: dict, override: bool | None = None) -> None:
         self._require_hdet("load_hdet_state_dict")
         ckpt_resume.apply_hdet_load(self, ckpt_resume.plan_hdet_load(self, state, override))

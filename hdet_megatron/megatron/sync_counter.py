@@ -46,7 +46,7 @@ class HostSyncCounter:
         self._saved.append((owner, name, original))
         setattr(owner, name, wrapped)
 
-    def __enter__(self) -> "HostSyncCounter":
+    def __enter__(self) -> HostSyncCounter:
         for name in _TENSOR_METHODS:
             self._wrap(torch.Tensor, name, f"Tensor.{name}")
         self._wrap(torch.cuda, "synchronize", "cuda.synchronize")

@@ -8,9 +8,10 @@ Nothing here is mocked: ``parallel_state``, ``GPTModel`` with the local layer sp
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -139,7 +140,7 @@ def layer_spec(setup: ToyGPTSetup):
     return get_gpt_layer_local_spec()
 
 
-def build_model(setup: ToyGPTSetup, ddp_group_kwargs: Optional[dict] = None) -> list:
+def build_model(setup: ToyGPTSetup, ddp_group_kwargs: dict | None = None) -> list:
     """GPTModel chunk(s) on this rank, wrapped in Megatron DDP. Returns the list of chunks."""
     config = transformer_config(setup)
     model = GPTModel(
@@ -200,9 +201,7 @@ def synthetic_batches(setup: ToyGPTSetup, seed: int, period: int = 7) -> Iterato
         yield {
             "tokens": tokens[:, :-1].contiguous(),
             "labels": tokens[:, 1:].contiguous(),
-            "position_ids": torch.arange(setup.seq_length).unsqueeze(0).expand(
-                setup.micro_batch_size, -1
-            ),
+            "position_ids": torch.arange(setup.seq_length).unsqueeze(0).expand(setup.micro_batch_size, -1),
             "loss_mask": torch.ones(setup.micro_batch_size, setup.seq_length),
         }
 
@@ -217,9 +216,7 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator, model):
     """Megatron-style forward step: ``(output_tensor, loss_func)``."""
     batch = next(data_iterator)
-    output = model(
-        batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"]
-    )
+    output = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])
 
 

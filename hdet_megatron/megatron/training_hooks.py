@@ -49,7 +49,7 @@ LOG_PREFIX = "[HDET]"
 
 
 class _State:
-    config: Optional[HDETConfig] = None
+    config: HDETConfig | None = None
     runtime: Any = None  # hdet_megatron.megatron.runtime.HDET
     scheduler: Any = None
     announced: bool = False  # the current window's per-arm values were printed
@@ -95,7 +95,7 @@ def add_arguments(parser):
     return add_hdet_args(parser)
 
 
-def config_from_args(args) -> Optional[HDETConfig]:
+def config_from_args(args) -> HDETConfig | None:
     """The run's :class:`HDETConfig` (None with ``--no-hdet`` or without the flags)."""
     if not hasattr(args, "hdet_period"):
         return None
@@ -196,7 +196,7 @@ def on_setup(model, optimizer, opt_param_scheduler) -> None:
 
 
 # -- per step ------------------------------------------------------------------------------------
-def on_train_step(losses_reduced, iteration: Optional[int] = None):
+def on_train_step(losses_reduced, iteration: int | None = None):
     """``train_step`` after the optimizer and LR-scheduler steps, on every rank, with what
     ``forward_backward_func`` returned (per-microbatch loss dicts, before the DP reduction).
     Collective once per window. Returns the :class:`WindowMetrics` when a window ended."""
@@ -239,7 +239,7 @@ def before_save_checkpoint(iteration: int, opt_param_scheduler=None):
 
 
 # -- logging -------------------------------------------------------------------------------------
-def arm_lrs() -> Optional[list[float]]:
+def arm_lrs() -> list[float] | None:
     """The learning rate each arm's default param group uses now (None without an LR axis)."""
     hdet = _STATE.runtime
     if hdet is None or hdet.config.axis("lr") is None:
@@ -262,8 +262,7 @@ def log_window_start(next_iteration: int) -> None:
     lrs = arm_lrs()
     if lrs is not None:
         parts.append(
-            f"lr per arm at iteration {next_iteration} ["
-            + ", ".join(f"{lr:.6E}" for lr in lrs) + "]"
+            f"lr per arm at iteration {next_iteration} [" + ", ".join(f"{lr:.6E}" for lr in lrs) + "]"
         )
     for name, per_arm in sched.arm_spread_values().items():
         parts.append(f"{name} spread per arm [" + ", ".join(f"{v:.4f}" for v in per_arm) + "]")

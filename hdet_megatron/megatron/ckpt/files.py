@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Optional
 
 import torch
 
 from hdet_megatron.config import HDETConfig
 from hdet_megatron.megatron import cpu as _cpu  # noqa: F401  (shims before megatron.core)
-from hdet_megatron.megatron.ckpt.state import HDET_STATE_KEY, HDETCheckpointError, _bad, _config_from_fingerprint
+from hdet_megatron.megatron.ckpt.state import (
+    HDET_STATE_KEY,
+    HDETCheckpointError,
+    _bad,
+    _config_from_fingerprint,
+)
+
 from megatron.core import parallel_state as ps
 
 #: The ``DistributedOptimizer`` sharding type that megatron-core 0.19.2 saves and loads (with
@@ -58,8 +65,11 @@ def _model_key(model: Sequence, i: int) -> str:
 
 
 def _sub_optimizers(optimizer) -> list:
-    return [s for s in (getattr(optimizer, "chained_optimizers", None) or [optimizer])
-            if not getattr(s, "is_stub_optimizer", False)]
+    return [
+        s
+        for s in (getattr(optimizer, "chained_optimizers", None) or [optimizer])
+        if not getattr(s, "is_stub_optimizer", False)
+    ]
 
 
 def _is_distopt(optimizer) -> bool:
@@ -107,7 +117,7 @@ def _set_rng_state(state: Mapping) -> None:
     get_cuda_rng_tracker().set_states(dict(state["tracker"]))
 
 
-def _resolve_dir(root: str, iteration: Optional[int]) -> tuple[str, int]:
+def _resolve_dir(root: str, iteration: int | None) -> tuple[str, int]:
     if iteration is None:
         tracker = os.path.join(root, TRACKER_FILE)
         if not os.path.exists(tracker):
@@ -151,7 +161,7 @@ def _read_common(ckpt_dir: str, fmt: str) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def read_checkpoint_hdet_state(root: str, iteration: Optional[int] = None) -> Optional[dict]:
+def read_checkpoint_hdet_state(root: str, iteration: int | None = None) -> dict | None:
     """The HDET state stored in a checkpoint (None for a plain Megatron checkpoint)."""
     ckpt_dir, _ = _resolve_dir(root, iteration)
     common = _read_common(ckpt_dir, _detect_format(ckpt_dir))
@@ -159,7 +169,7 @@ def read_checkpoint_hdet_state(root: str, iteration: Optional[int] = None) -> Op
     return sched.get(HDET_STATE_KEY) if isinstance(sched, Mapping) else None
 
 
-def checkpoint_hdet_config(root: str, iteration: Optional[int] = None) -> Optional[HDETConfig]:
+def checkpoint_hdet_config(root: str, iteration: int | None = None) -> HDETConfig | None:
     """The HDETConfig a checkpoint was written with (None for a plain Megatron checkpoint): build
     the resumed run with it to change nothing (like Megatron-LM's ``--use-checkpoint-args``)."""
     state = read_checkpoint_hdet_state(root, iteration)

@@ -21,7 +21,9 @@ from hdet_megatron.megatron.ckpt.files import (
     _unwrap,
 )
 from hdet_megatron.megatron.ckpt.state import HDETCheckpointError
+
 from megatron.core import parallel_state as ps
+
 
 def _distopt_param_state(optimizer) -> list:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -50,8 +52,10 @@ def _save_legacy(ckpt_dir, model, optimizer, common, rng) -> None:
         # Like Megatron-LM's distrib_optim.pt, but one file per DP rank (no gather to DP rank 0:
         # megatron-core's gather path needs CUDA); resumable with the same DP layout.
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save({"param_state": _distopt_param_state(optimizer),
-                    "layout": _layout_meta()}, _distopt_file(ckpt_dir))
+        torch.save(
+            {"param_state": _distopt_param_state(optimizer), "layout": _layout_meta()},
+            _distopt_file(ckpt_dir),
+        )
     if ps.get_data_parallel_rank(with_context_parallel=True) != 0:
         return
     state = dict(common)

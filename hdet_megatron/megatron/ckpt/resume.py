@@ -23,9 +23,9 @@ megatron.core.
 from __future__ import annotations
 
 import dataclasses
-
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from hdet_megatron.config import HDETConfig
 from hdet_megatron.controller import AutoController
@@ -51,7 +51,7 @@ class HDETLoadPlan:
     controller: AutoController
     """A fresh controller with the checkpoint's state already loaded (becomes the live one)."""
     window: int
-    runtime: Optional[dict]
+    runtime: dict | None
     """``iteration``, ``steps_in_window``, ``arm_loss_sums`` (validated), or None when the
     checkpoint has no runtime state (scheduler saved without an HDET runtime)."""
     config_changed: bool = False
@@ -59,7 +59,7 @@ class HDETLoadPlan:
     messages: list[str] = field(default_factory=list)
 
 
-def _override_mode(scheduler, override: Optional[bool]) -> str:
+def _override_mode(scheduler, override: bool | None) -> str:
     """``current`` (this run's config wins), ``checkpoint`` or ``strict`` (must match)."""
     if override is None:
         override = getattr(scheduler, "override_hdet_config", None)
@@ -120,7 +120,7 @@ def _controller_state_for(config: HDETConfig, state: Mapping, dropped: list[str]
     return out
 
 
-def plan_hdet_load(scheduler, state: Any, override: Optional[bool] = None) -> HDETLoadPlan:
+def plan_hdet_load(scheduler, state: Any, override: bool | None = None) -> HDETLoadPlan:
     """Validate a checkpoint's HDET state against ``scheduler`` and work out what loading it will
     set. Modifies nothing; raises :class:`HDETCheckpointError` naming what is wrong."""
     if not isinstance(state, Mapping):
@@ -185,8 +185,11 @@ def plan_hdet_load(scheduler, state: Any, override: Optional[bool] = None) -> HD
                 )
             if steps == 0 and any(x != 0 for x in sums):
                 raise _bad(f"['runtime']['arm_loss_sums']={list(sums)!r}", "must be 0 at a window start")
-        runtime = {"iteration": iteration, "steps_in_window": steps,
-                   "arm_loss_sums": None if sums is None else [float(x) for x in sums]}
+        runtime = {
+            "iteration": iteration,
+            "steps_in_window": steps,
+            "arm_loss_sums": None if sums is None else [float(x) for x in sums],
+        }
 
     # The config the resumed run uses.
     mode = _override_mode(scheduler, override)
@@ -199,13 +202,13 @@ def plan_hdet_load(scheduler, state: Any, override: Optional[bool] = None) -> HD
         winner = "this run's values (override)" if mode == "current" else "the checkpoint's values"
         messages.append(
             "HDET config differs from the checkpoint in "
-            + ", ".join(f"{k} (checkpoint {ckpt_config.fingerprint()[k]!r}, this run "
-                        f"{current.fingerprint()[k]!r})" for k in changed)
+            + ", ".join(
+                f"{k} (checkpoint {ckpt_config.fingerprint()[k]!r}, this run {current.fingerprint()[k]!r})"
+                for k in changed
+            )
             + f": using {winner}"
         )
-    structural = [
-        k for k in STRUCTURAL_FIELDS if ckpt_config.fingerprint()[k] != current.fingerprint()[k]
-    ]
+    structural = [k for k in STRUCTURAL_FIELDS if ckpt_config.fingerprint()[k] != current.fingerprint()[k]]
     if structural:
         messages.append(f"{structural} differ from the checkpoint: kept this run's values")
 
@@ -227,8 +230,14 @@ def plan_hdet_load(scheduler, state: Any, override: Optional[bool] = None) -> HD
     if controller.window != window:
         raise _bad(f"['controller']['window']={controller.window}", f"disagrees with window={window}")
 
-    plan = HDETLoadPlan(config=config, controller=controller, window=window, runtime=runtime,
-                        config_changed=config is not current, messages=messages)
+    plan = HDETLoadPlan(
+        config=config,
+        controller=controller,
+        window=window,
+        runtime=runtime,
+        config_changed=config is not current,
+        messages=messages,
+    )
     layout = scheduler.layout
     if num_arms != layout.num_arms or dp_size != layout.dp_size:
         plan.layout_changed = True
@@ -292,9 +301,7 @@ def reset_for_plain_checkpoint(scheduler) -> None:
     scheduler.set_window(0)
 
 
-def load_scheduler_state(
-    scheduler, state_dict: Mapping, parent_load, override: Optional[bool] = None
-) -> None:
+def load_scheduler_state(scheduler, state_dict: Mapping, parent_load, override: bool | None = None) -> None:
     """``HDETOptimizerParamScheduler.load_state_dict``: validate HDET state, then Megatron's
     fields (``parent_load``), then commit HDET state."""
     if not isinstance(state_dict, Mapping):

@@ -10,7 +10,8 @@ on every rank. Importing this module does not import megatron.core.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -172,7 +173,7 @@ def strip_hdet_state(scheduler_state: Mapping) -> dict:
     return state
 
 
-def prepare_save(hdet) -> Optional[Any]:
+def prepare_save(hdet) -> Any | None:
     """Make ``hdet``'s state checkpointable. Collective: call on every rank before a save.
 
     With ``converge_on_save`` (default) and a partial window, converges now (a forced converge:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from hdet_megatron.megatron import cpu as _cpu  # noqa: F401  (shims before megatron.core)
 from hdet_megatron.megatron.ckpt.files import _layout_meta, _model_key, _unwrap, init_optimizer_state_for_load
+
 from megatron.core import parallel_state as ps
+
 
 def _sharded_metadata(sharding_type: str) -> dict:
     return {
@@ -69,9 +72,7 @@ def _save_dist(ckpt_dir, model, optimizer, common, rng, sharding_type) -> None:
     if rng is not None:
         state["rng_state"] = _rng_sharded_object(rng)
     _sync_write_queue()
-    dist_checkpointing.save(
-        state, ckpt_dir, preprocess_common_before_consistancy_check=_without_arm_values
-    )
+    dist_checkpointing.save(state, ckpt_dir, preprocess_common_before_consistancy_check=_without_arm_values)
 
 
 #: Param-group entries HDET sets per arm: they differ across DP ranks by design (rank 0's copy is
@@ -86,13 +87,17 @@ def _without_arm_values(common: Mapping) -> dict:
     optim = out.get("optimizer")
 
     def strip(groups):
-        return [{k: v for k, v in g.items() if k not in _ARM_GROUP_KEYS} if isinstance(g, Mapping) else g
-                for g in groups]
+        return [
+            {k: v for k, v in g.items() if k not in _ARM_GROUP_KEYS} if isinstance(g, Mapping) else g
+            for g in groups
+        ]
 
     def walk(node):
         if isinstance(node, Mapping):
-            return {k: (strip(v) if k == "param_groups" and isinstance(v, list) else walk(v))
-                    for k, v in node.items()}
+            return {
+                k: (strip(v) if k == "param_groups" and isinstance(v, list) else walk(v))
+                for k, v in node.items()
+            }
         if isinstance(node, list):
             return [walk(v) for v in node]
         return node
