@@ -8,17 +8,52 @@ shards of one model copy always train with the same hyperparameters.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch.distributed as dist
 
 from hdet_megatron.megatron import cpu as _cpu  # noqa: F401  (shims before megatron.core)
+from hdet_megatron.megatron import mesh as _mesh
 
 from megatron.core import parallel_state
 
 
 class HDETSetupError(ValueError):
     """An HDET setup that cannot work (process-group layout, optimizer, arguments)."""
+
+
+def _choose_arms(
+    arms: int | None, dp_group_of: dict[int, tuple[int, ...]], expert_groups: list[tuple[int, ...]]
+) -> int:
+    """The arm count: ``arms``, checked, or with ``None`` the most arms the mesh allows.
+
+    An arm must hold whole expert groups (expert TP x EP ranks of one replica): ranks holding
+    different experts of one model must not train under different hyperparameters, and a
+    converge must only average copies of the same expert (see :mod:`hdet_megatron.megatron.mesh`).
+    """
+    dp_size = len(next(iter(dp_group_of.values())))
+    divisors = _mesh.divisors(dp_size)
+    valid = _mesh.valid_arm_counts(dp_group_of, expert_groups)
+    if arms is None:
+        if valid[-1] > 1 or dp_size == 1:
+            return valid[-1]
+        raise HDETSetupError(
+            f"HDET cannot place arms on this mesh: every expert-parallel group (expert TP x EP "
+            f"ranks {expert_groups[0]}) spans all {dp_size} data-parallel replicas, and an arm must "
+            "hold whole expert groups; lower expert_model_parallel_size (or expert_tensor_parallel_size) "
+            "or raise the data-parallel size"
+        )
+    if arms < 1 or dp_size % arms:
+        raise HDETSetupError(
+            f"HDET arms={arms} must divide the data-parallel size {dp_size}; use one of {divisors}"
+        )
+    if arms not in valid:
+        split = _mesh.split_groups(_mesh.arm_map(dp_group_of, arms), expert_groups)
+        raise HDETSetupError(
+            f"HDET arms={arms} splits expert-parallel groups (expert TP x EP ranks {split[0]} would "
+            "train under different arms and average different experts together); an arm must "
+            f"hold whole expert groups: use arms in {valid}"
+        )
+    return arms
 
 
 @dataclass(frozen=True)
@@ -81,6 +116,7 @@ class ArmLayout:
         if pg_collection is not None:
             dp_group, tp_group, pp_group = pg_collection.dp, pg_collection.tp, pg_collection.pp
             cp_size = pg_collection.cp.size() if getattr(pg_collection, "cp", None) else 1
+            expert_group = getattr(pg_collection, "tp_ep", None)
         else:
             if not parallel_state.model_parallel_is_initialized():
                 raise HDETSetupError(
@@ -92,23 +128,25 @@ class ArmLayout:
             tp_group = parallel_state.get_tensor_model_parallel_group()
             pp_group = parallel_state.get_pipeline_model_parallel_group()
             cp_size = parallel_state.get_context_parallel_world_size()
+            # The ranks that hold one replica's experts (expert TP x EP) and exchange its tokens.
+            expert_group = parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False)
         if cp_size != 1:
             raise HDETSetupError(f"context parallel size {cp_size} is not supported by HDET yet; use CP=1")
         dp_ranks = tuple(dist.get_process_group_ranks(dp_group))
         dp_size = len(dp_ranks)
         dp_rank = dp_ranks.index(dist.get_rank())
-        num_arms = dp_size if arms is None else arms
-        if num_arms < 1 or dp_size % num_arms:
-            raise HDETSetupError(
-                f"HDET arms={num_arms} must divide the data-parallel size {dp_size}; "
-                f"use one of {[a for a in range(1, dp_size + 1) if dp_size % a == 0]}"
-            )
+        expert_ranks = tuple(dist.get_process_group_ranks(expert_group)) if expert_group is not None else ()
+
+        # Every rank must create every group in the same order: learn every rank's groups first.
+        mesh: list = [None] * dist.get_world_size()
+        dist.all_gather_object(mesh, (dp_ranks, expert_ranks))
+        dp_group_of = {r: m[0] for r, m in enumerate(mesh)}
+        expert_groups = [m[1] for m in mesh if m[1]]
+        num_arms = _choose_arms(arms, dp_group_of, expert_groups)
+        all_dp_groups = [m[0] for m in mesh]
         per_arm = dp_size // num_arms
         arm = dp_rank // per_arm
 
-        # Every rank must create every group in the same order: learn all DP groups first.
-        all_dp_groups: list = [None] * dist.get_world_size()
-        dist.all_gather_object(all_dp_groups, dp_ranks)
         arm_group = cross_group = None
         arm_ranks = cross_ranks = ()
         for group_ranks in sorted(set(all_dp_groups)):

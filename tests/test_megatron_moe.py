@@ -1,0 +1,56 @@
+"""HDET on mixture-of-experts (expert parallel) and context-parallel Megatron meshes."""
+
+from __future__ import annotations
+
+import pytest
+
+from hdet_megatron.megatron import mesh
+from tests.harness import run_world
+from tests.moe_worker import layout_cases
+
+
+def test_valid_arm_counts_keep_expert_groups_whole():
+    # TP1 DP4 EP2 (megatron-core 0.19.2): EP groups (0,1),(2,3), expert-DP (0,2),(1,3).
+    dp4 = {r: (0, 1, 2, 3) for r in range(4)}
+    assert mesh.valid_arm_counts(dp4, [(0, 1), (2, 3)]) == [1, 2]
+    assert mesh.valid_arm_counts(dp4, [(0, 1, 2, 3)]) == [1]
+    assert mesh.valid_arm_counts(dp4, []) == [1, 2, 4]
+    # DP8 EP2: any arm of 2, 4 or 8 replicas... and arms of one replica split EP groups.
+    dp8 = {r: tuple(range(8)) for r in range(8)}
+    assert mesh.valid_arm_counts(dp8, [(0, 1), (2, 3), (4, 5), (6, 7)]) == [1, 2, 4]
+    arms = mesh.arm_map(dp8, 2)
+    assert mesh.split_groups(arms, [(3, 4), (0, 1)]) == [(3, 4)]
+    # TP2 DP2 (DP groups (0,2),(1,3)) with EP2 and expert TP1: EP groups are TP peers (0,1),(2,3).
+    tp2 = {0: (0, 2), 2: (0, 2), 1: (1, 3), 3: (1, 3)}
+    assert mesh.valid_arm_counts(tp2, [(0, 1), (2, 3)]) == [1, 2]
+    assert mesh.valid_arm_counts(tp2, [(0, 2), (1, 3)]) == [1]
+    # Cross-arm subsets: the same position inside each arm; unequal arms are refused.
+    arms = mesh.arm_map(dp8, 2)
+    assert mesh.cross_arm_subset(arms, (0, 2, 4, 6), 2) == (2, 6)
+    assert mesh.arm_subset(arms, (0, 2, 4, 6), 1) == (4, 6)
+    with pytest.raises(ValueError, match="unequal"):
+        mesh.cross_arm_subset(arms, (0, 2, 4), 0)
+
+
+@pytest.mark.slow
+def test_expert_parallel_layouts_are_refused_or_chosen_before_the_first_step():
+    results = run_world(4, layout_cases, timeout=200)
+    for rank, out in enumerate(results):
+        # DP4 EP2: EP groups (0,1),(2,3). Default arms: 2 (never 4, which splits EP groups).
+        assert out[("dp4_ep2", "ep_ranks")] == ((0, 1) if rank < 2 else (2, 3))
+        assert out[("dp4_ep2", None)]["arms"] == 2
+        assert out[("dp4_ep2", None)]["cross"] == ((0, 2) if rank % 2 == 0 else (1, 3))
+        assert out[("dp4_ep2", 2)]["arms"] == 2 and out[("dp4_ep2", 1)]["arms"] == 1
+        err = out[("dp4_ep2", 4)]
+        assert err.startswith("error: HDET arms=4 splits expert-parallel groups"), err
+        assert "(0, 1)" in err and "use arms in [1, 2]" in err
+        assert out[("dp4_ep2", "scheduler")] == err
+        # TP2 x EP2 with expert TP 1: the EP group is the TP pair, arms=2 holds it whole.
+        assert out[("tp2_ep2_etp1", None)]["arms"] == 2
+        assert out[("tp2_ep2_etp1", 4)].startswith("error: HDET arms=4 must divide the data-parallel size 2")
+        # Expert TP 2 x EP 2 spans both DP replicas: only one arm, so the default refuses.
+        for name in ("tp2_ep2_etp2", "dp4_ep4"):
+            err = out[(name, None)]
+            assert err.startswith("error: HDET cannot place arms on this mesh"), err
+            assert out[(name, 1)]["arms"] == 1
+            assert "use arms in [1]" in out[(name, 2)]
