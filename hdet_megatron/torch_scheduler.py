@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -139,9 +139,18 @@ class HDETOneCycleLR(OneCycleLR):
         )
 
     # ------------------------------------------------------------------ schedule
+    def _anneal(self):
+        """The anneal function, chosen like ``OneCycleLR._anneal_func``: by ``_anneal_func_type``,
+        else (the state of an older torch, which kept the function itself) ``anneal_func``."""
+        if hasattr(self, "_anneal_func_type"):
+            if self._anneal_func_type not in ANNEAL_STRATEGIES:
+                raise ValueError(f"Unknown _anneal_func_type: {self._anneal_func_type}")
+            return ANNEAL_STRATEGIES[self._anneal_func_type]
+        return self.anneal_func
+
     def _base_lrs_at(self, step: int) -> list[float]:
         """OneCycle base LR of every group at ``step`` (no side effects)."""
-        anneal = ANNEAL_STRATEGIES[self._anneal_func_type]
+        anneal = self._anneal()
         phase, pct = phase_at(self._schedule_phases, min(step, self.total_steps))
         return [anneal(g[phase["start_lr"]], g[phase["end_lr"]], pct) for g in self.optimizer.param_groups]
 
@@ -159,7 +168,7 @@ class HDETOneCycleLR(OneCycleLR):
             raise ValueError(
                 f"Tried to step {step_num} times. The specified number of total steps is {self.total_steps}"
             )
-        anneal = ANNEAL_STRATEGIES[self._anneal_func_type]
+        anneal = self._anneal()
         rt = self._hdet
         window = step_num // rt.config.period if rt is not None else 0
         lrs, bases = [], []

@@ -114,6 +114,80 @@ def test_epochs_and_state_dict_like_torch():
         HDETOneCycleLR(toy_optimizer("sgd", 1), 0.1)
 
 
+def _step_trace(sched, opt, steps: int, key: str) -> list:
+    """(last LR, momentum / beta1 of every group) after each of ``steps`` more steps."""
+    out = []
+    for _ in range(steps):
+        opt.step()
+        sched.step()
+        out.append((sched.get_last_lr(), [g[key][0] if key == "betas" else g[key] for g in opt.param_groups]))
+    return out
+
+
+NEUTRAL = HDETConfig(period=3, axes=(Axis("lr", 0.0),), auto=False)
+
+
+@pytest.mark.parametrize("hdet", [None, NEUTRAL], ids=["off", "neutral"])
+@pytest.mark.parametrize(
+    "kind,kw",
+    [
+        ("sgd", {"anneal_strategy": "linear"}),
+        ("adam", {"three_phase": True, "pct_start": 0.25}),  # cycle_momentum on Adam's beta1
+    ],
+)
+def test_legacy_onecycle_state_steps_like_torch(kind, kw, hdet):
+    """A state saved by an older torch ``OneCycleLR`` (``anneal_func``, no ``_anneal_func_type``)
+    loads into both classes, and both step alike; so does an instance whose ``__dict__`` never had
+    ``_anneal_func_type`` (an old pickled scheduler): torch falls back to ``anneal_func`` there."""
+    key = "betas" if kind == "adam" else "momentum"
+    donor_opt = toy_optimizer(kind, 2)
+    donor = torch.optim.lr_scheduler.OneCycleLR(donor_opt, [0.1, 0.3], total_steps=20, **kw)
+    for _ in range(5):
+        donor_opt.step(), donor.step()
+    legacy = donor.state_dict()
+    kind_of_anneal = legacy.pop("_anneal_func_type")
+    legacy["anneal_func"] = donor._annealing_cos if kind_of_anneal == "cos" else donor._annealing_linear
+    legacy["_anneal_func_type_was"] = "removed"  # an unknown extra key loads too (torch: setattr)
+    pairs = []
+    for drop_type in (False, True):
+        ref_opt, opt = toy_optimizer(kind, 2), toy_optimizer(kind, 2)
+        ref = torch.optim.lr_scheduler.OneCycleLR(ref_opt, [0.1, 0.3], total_steps=20, **kw)
+        ours = HDETOneCycleLR(opt, [0.1, 0.3], total_steps=20, hdet=hdet, **kw)
+        for o in (ref_opt, opt):
+            o.load_state_dict(donor_opt.state_dict())
+        ref.load_state_dict(dict(legacy))
+        ours.load_state_dict(dict(legacy))
+        if drop_type:
+            del ref._anneal_func_type, ours._anneal_func_type
+        assert ours.get_last_lr() == ref.get_last_lr() == donor.get_last_lr()
+        pairs.append((_step_trace(ours, opt, 15, key), _step_trace(ref, ref_opt, 15, key)))
+    for got, want in pairs:
+        assert got == want  # bit-exact, every step
+    assert pairs[0][1] == _step_trace(donor, donor_opt, 15, key)  # and the same as never saved
+
+
+@pytest.mark.parametrize("hdet", [None, NEUTRAL], ids=["off", "neutral"])
+def test_last_epoch_resume_like_torch(hdet):
+    """``last_epoch=k`` (torch's way to resume without a scheduler state: the optimizer's groups
+    already hold initial_lr/max_lr/min_lr and the momenta): the same LRs and betas as torch."""
+    kw = {"three_phase": True, "anneal_strategy": "linear", "base_momentum": 0.8, "max_momentum": 0.9}
+    donor_opt = toy_optimizer("adam", 2)
+    donor = torch.optim.lr_scheduler.OneCycleLR(donor_opt, [1e-3, 5e-3], total_steps=24, **kw)
+    for _ in range(7):
+        donor_opt.step(), donor.step()
+    ref_opt, opt = toy_optimizer("adam", 2), toy_optimizer("adam", 2)
+    for o in (ref_opt, opt):
+        o.load_state_dict(donor_opt.state_dict())
+    ref = torch.optim.lr_scheduler.OneCycleLR(ref_opt, [1e-3, 5e-3], total_steps=24, last_epoch=6, **kw)
+    ours = HDETOneCycleLR(opt, [1e-3, 5e-3], total_steps=24, last_epoch=6, hdet=hdet, **kw)
+    assert ours.last_epoch == ref.last_epoch == 7
+    assert ours.get_last_lr() == ref.get_last_lr() == donor.get_last_lr()
+    assert [g["betas"] for g in opt.param_groups] == [g["betas"] for g in ref_opt.param_groups]
+    assert _step_trace(ours, opt, 17, "betas") == _step_trace(ref, ref_opt, 17, "betas")
+    with pytest.raises(ValueError, match="Tried to step 25 times"):
+        opt.step(), ours.step()
+
+
 def test_state_dict_hdet_superset_and_plain_checkpoint_loads():
     cfg = HDETConfig(period=4, axes=(Axis("lr", 0.2),))
     opt = toy_optimizer("adam", 1)
@@ -346,36 +420,30 @@ def _resume(rank, saved, cfg, total, ddp, max_lr, kind, start):
     return _flat(model)
 
 
+LR_AXIS = (Axis("lr", 0.3),)
+#: The runs of the 4-rank world: name -> (config, total steps, max_lr, keyword arguments of _run).
+RUNS = {
+    # 1. No DDP wrapper (local-SGD style), controller on, 4 arms; resume from a converge point.
+    "local": (HDETConfig(period=5, axes=LR_AXIS, seed=3, temperature=0.01), 20, 0.05, {"resume_at": 10}),
+    # 2. DDP wrapper (global gradient sync, the paper's setting), Adam, 2 arms of 2 ranks.
+    "ddp": (
+        HDETConfig(period=4, arms=2, axes=LR_AXIS, seed=5, temperature="auto"),
+        16,
+        0.01,
+        {"ddp": True, "kind": "adam"},
+    ),
+    # 3. Controller off: spread from step 0 anyway (defects 1/2).
+    "auto_off": (HDETConfig(period=6, axes=LR_AXIS, auto=False), 12, 0.05, {"ddp": True}),
+    # 4. Rank 2 blows up (NaN params and loss) in window 1: excluded, the others' average wins.
+    "nan": (HDETConfig(period=4, axes=LR_AXIS), 12, 0.05, {"nan_rank": 2, "nan_step": 5}),
+}
+
+
 def _scheduler_world(rank, world):
     out = {}
-    lr_axis = (Axis("lr", 0.3),)
-    # 1. No DDP wrapper (local-SGD style), controller on, 4 arms; resume from a converge point.
-    out["local"] = _run(
-        rank,
-        world,
-        cfg=HDETConfig(period=5, axes=lr_axis, seed=3, temperature=0.01),
-        total=20,
-        ddp=False,
-        resume_at=10,
-    )
-    # 2. DDP wrapper (global gradient sync, the paper's setting), Adam, 2 arms of 2 ranks.
-    out["ddp"] = _run(
-        rank,
-        world,
-        cfg=HDETConfig(period=4, arms=2, axes=lr_axis, seed=5, temperature="auto"),
-        total=16,
-        ddp=True,
-        kind="adam",
-        max_lr=0.01,
-    )
-    # 3. Controller off: spread from step 0 anyway (defects 1/2).
-    out["auto_off"] = _run(
-        rank, world, cfg=HDETConfig(period=6, axes=lr_axis, auto=False), total=12, ddp=True
-    )
-    # 4. Rank 2 blows up (NaN params and loss) in window 1: excluded, the others' average wins.
-    out["nan"] = _run(
-        rank, world, cfg=HDETConfig(period=4, axes=lr_axis), total=12, ddp=False, nan_rank=2, nan_step=5
-    )
+    lr_axis = LR_AXIS
+    for name, (cfg, total, max_lr, kw) in RUNS.items():
+        out[name] = _run(rank, world, cfg=cfg, total=total, max_lr=max_lr, **{"ddp": False, **kw})
     # 5. Neutral controller (equal losses on every arm): the base LR decays exactly like OneCycle
     #    and the scale never moves (defect 3: the reference code grew the LR ~400x).
     model = _model(seed=1)
@@ -421,11 +489,24 @@ def _scheduler_world(rank, world):
 @pytest.mark.slow
 def test_hdet_on_4_gloo_ranks():
     out = run_world(4, _scheduler_world, timeout=180)
-    for name, period, total in (("local", 5, 20), ("ddp", 4, 16), ("auto_off", 6, 12), ("nan", 4, 12)):
+    for name, (cfg, total, max_lr, _) in RUNS.items():
         runs = [o[name] for o in out]
-        assert all(r["converges"] == total // period for r in runs), name
-        # Same LR table seen by every rank; LRs differ across arms inside every window.
-        assert all(r["lrs"] == runs[0]["lrs"] for r in runs)
+        assert all(r["converges"] == total // cfg.period for r in runs), name
+        # The LR table every rank gathered: OneCycle's base x the scale the window started with x
+        # the multiplier of the rank's arm in that window (arms of world / A consecutive ranks).
+        pure, arms = OneCycleSchedule(max_lr, total), cfg.arms or 4
+        scales = [1.0] + runs[0]["scales"]
+        expected = [
+            [
+                pure.lr(t)
+                * scales[t // cfg.period]
+                * arm_spread(cfg, arms, t // cfg.period)["lr"][r // (4 // arms)]
+                for r in range(4)
+            ]
+            for t in range(total)
+        ]
+        assert runs[0]["lrs"] == expected, name
+        assert all(len(set(row)) == arms for row in expected)  # the arms differ in every window
         assert all(r["params"] == runs[0]["params"] for r in runs)
         assert "last_update" in runs[0]["metrics_keys"] and "converge_bytes" in runs[0]["metrics_keys"]
     local = [o["local"] for o in out]
