@@ -7,7 +7,6 @@ import logging
 import os
 import pickle
 from dataclasses import dataclass, field, replace
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -18,6 +17,7 @@ from hdet_megatron.megatron import toy
 from hdet_megatron.megatron.checkpointing import HDETCheckpointError
 from hdet_megatron.megatron.runtime import HDET, main_params
 from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+from hdet_megatron.spread import arm_spread
 
 from megatron.core import parallel_state as ps
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -218,6 +218,50 @@ class _Capture(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def _write_without_runtime(src_root: str, dst_root: str, iteration: int) -> None:
+    """Copy the legacy checkpoint of ``iteration`` in ``src_root`` with its HDET runtime state
+    removed (what a scheduler without an HDET runtime saves). Collective; every rank writes its
+    own TP/PP file (DP rank 0 only, as a legacy save)."""
+    if ps.get_data_parallel_rank() == 0:
+        data = torch.load(ckpt._legacy_file(ckpt.checkpoint_dir(src_root, iteration)), weights_only=False)
+        data["opt_param_scheduler"]["hdet"]["runtime"] = None
+        path = ckpt._legacy_file(ckpt.checkpoint_dir(dst_root, iteration))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(data, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        ckpt.write_tracker(dst_root, iteration)
+    dist.barrier()
+
+
+def line_origin(rank, world_size, root):
+    """signal="line" (4 arms): the first window's update line after loading a plain Megatron
+    checkpoint, or an HDET one without runtime state, next to the same run that marks the window
+    start at the loaded params by hand."""
+    base = Run(period=3, steps=9, spread=0.3, config={"signal": "line"})
+    for name, run in (("plain", replace(base, hdet=False)), ("hdet", base)):
+        job = Job(run, world_size)
+        job.seek(0)
+        job.train_until(3)
+        job.save(os.path.join(root, name), "torch")
+        if name == "hdet":
+            _write_without_runtime(os.path.join(root, name), os.path.join(root, "no_runtime"), 3)
+        job.close()
+    out = {}
+    for name in ("plain", "no_runtime"):
+        got = []
+        for mark in (False, True):
+            job = Job(base, world_size)
+            start = job.load(os.path.join(root, name))
+            if mark:
+                job.hdet.mark_window_start()
+            job.train_until(start + 3)
+            got.append((start, job.history, job.probe_losses))
+            job.close()
+        out[name] = {"auto": got[0], "marked": got[1]}
+    return out
+
+
 def rules(rank, world_size, root):
     """Each resume rule on real checkpoints (2 ranks: TP1 x DP2, and TP2 x DP1 for a DP change)."""
     capture = _Capture()
@@ -250,6 +294,7 @@ def rules(rank, world_size, root):
     job.train_until(3)
     job.save(os.path.join(root, "plain", "torch"), "torch")
     plain_params = job.params()
+    plain_lr = job.lr()  # Megatron's own scheduler after 3 steps
     job.close()
     out["checkpoint_config"].append(ckpt.checkpoint_hdet_config(os.path.join(root, "plain", "torch")))
 
@@ -265,7 +310,9 @@ def rules(rank, world_size, root):
         "num_steps": job.scheduler.num_steps,
         "params_equal": job.params() == plain_params,
         "lr": job.lr(),
-        "expected_lr": job.scheduler.get_lr(job.optimizer.param_groups[0]) * job.scheduler.arm_factor("lr"),
+        # Megatron's LR at iteration 3 x scale 1 x the multiplier of this rank's arm in window 0
+        # (2 arms over DP2: the arm is the DP rank).
+        "expected_lr": plain_lr * 1.0 * arm_spread(job.config, 2, 0)["lr"][ps.get_data_parallel_rank()],
         "logged": any("no HDET state" in m for m in capture.messages),
     }
     job.train_until(6)  # the first window after the resume ends 3 steps later
@@ -461,5 +508,23 @@ def rules(rank, world_size, root):
             loaded[fmt] = job.params() == params
         out["homed_files"][name] = {"files": files, "loaded": loaded}
         job.close()
+        # --no-load-optim (load_optimizer=False): the fp32 main params of a bf16 run must follow
+        # the loaded weights, or the first step copies the initial ones over them.
+        if name != "fp32":
+            no_optim = {}
+            for fmt in ("torch", "torch_dist"):
+                job = Job(replace(base, steps=4, **variant), world_size)
+                initial = job.params()
+                job.load(os.path.join(root, "homed", name, "A", fmt), load_optimizer=False)
+                loaded = job.params()
+                job.optimizer.reload_model_params()  # main params from the model (Megatron's own)
+                no_optim[fmt] = {
+                    "params": loaded,
+                    "refreshed": job.params(),
+                    "initial": initial,
+                    "saved": params,
+                }
+                job.close()
+            out.setdefault("no_load_optim", {})[name] = no_optim
     logging.getLogger("hdet_megatron").removeHandler(capture)
     return out

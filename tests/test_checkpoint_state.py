@@ -19,6 +19,7 @@ from hdet_megatron.megatron import checkpointing as ckpt
 from hdet_megatron.megatron.checkpointing import HDETCheckpointError
 from hdet_megatron.megatron.layout import ArmLayout
 from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+from hdet_megatron.spread import arm_spread
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -138,7 +139,9 @@ def test_plain_megatron_state_starts_at_scale_1():
     s.load_state_dict(plain.state_dict())
     assert s.controller.scales() == {"lr": 1.0} and s.controller.velocities() == {"lr": 0.0}
     assert s.window == 0 and s.controller.window == 0 and s.num_steps == 6
-    assert s.optimizer.param_groups[0]["lr"] == s.get_lr(s.optimizer.param_groups[0]) * s.arm_factor("lr")
+    # Megatron's LR after 6 steps x scale 1 x arm 1's multiplier in window 0.
+    rho = arm_spread(CONFIG, 2, 0)["lr"][1]
+    assert s.optimizer.param_groups[0]["lr"] == plain.optimizer.param_groups[0]["lr"] * 1.0 * rho != 0
 
 
 def test_plain_scheduler_ignores_hdet_state_and_strip_warns_once(caplog):

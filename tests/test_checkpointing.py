@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.checkpoint_worker import Run, resume, rules, train_and_save
+from tests.checkpoint_worker import Run, line_origin, resume, rules, train_and_save
 from tests.harness import run_world
 
 FORMATS = ("torch", "torch_dist")
@@ -70,6 +70,32 @@ def test_plain_megatron_checkpoint_starts_hdet_at_scale_1(rule_results):
         assert got["params_equal"] and got["logged"]
         assert got["lr"] == got["expected_lr"]  # base schedule at iteration 3 * 1 * rho_arm
         assert got["converged_at"] == [6]  # a full window of T=3 steps after the resume
+
+
+@pytest.mark.slow
+def test_loaded_checkpoint_starts_the_first_update_line(tmp_path):
+    """signal="line": after a plain Megatron checkpoint, or an HDET one without runtime state, the
+    first window's line runs through the loaded params (issue 29, bug 2), not the initial ones."""
+    for r in run_world(4, line_origin, str(tmp_path), timeout=600):
+        for name, got in r.items():
+            start, history, probes = got["marked"]
+            assert start == 3 and [h[0] for h in history] == [6], name  # one window after the load
+            assert len(probes) == 4, name  # its line probed at the 4 arms' multipliers
+            assert got["auto"] == got["marked"], name
+
+
+@pytest.mark.slow
+def test_no_load_optim_keeps_the_loaded_bf16_weights(rule_results):
+    """load_optimizer=False (--no-load-optim) with bf16: the fp32 main params are refreshed from
+    the loaded model (Megatron-LM's reload_model_params; issue 29, bug 3)."""
+    for r in rule_results:
+        for name, by_format in r["no_load_optim"].items():
+            for fmt, got in by_format.items():
+                assert got["params"]["model"] == got["saved"]["model"], (name, fmt)
+                # The masters are the loaded bf16 weights in fp32 (not the saved fp32 masters: no
+                # optimizer state was loaded), not the initial ones.
+                assert got["params"] == got["refreshed"], (name, fmt)
+                assert got["initial"]["main"] != got["params"]["main"], (name, fmt)
 
 
 @pytest.mark.slow

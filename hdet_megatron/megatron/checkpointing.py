@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -257,6 +257,9 @@ def load_checkpoint(
     True = this run's HDET config wins, False = the checkpoint's, None = follow the scheduler's
     ``override_opt_param_scheduler`` / ``use_checkpoint_opt_param_scheduler``.
 
+    ``load_optimizer=False`` (``--no-load-optim``) loads the model only and refreshes the
+    optimizer's main params from it (``reload_model_params()``, as Megatron-LM).
+
     HDET state is validated before anything is modified (:class:`HDETCheckpointError`).
     """
     ckpt_dir, iteration = _resolve_dir(root, iteration)
@@ -303,6 +306,13 @@ def load_checkpoint(
             if fmt == "torch" and _is_distopt(optimizer):
                 _load_legacy_distopt(ckpt_dir, optimizer)
             restore_adam_steps(optimizer)
+        elif optimizer is not None:
+            # Without its state the optimizer's fp32 main params (bf16/fp16 runs) still hold the
+            # initial weights, and its first step would copy them over the loaded model: refresh
+            # them from the model, as Megatron-LM's load_checkpoint does under --no-load-optim
+            # (megatron/training/checkpointing.py: optimizer.reload_model_params()). Before the
+            # scheduler state, whose HDET part starts the update line at the main params.
+            optimizer.reload_model_params()
 
     # 3. Scheduler (+ HDET state).
     if scheduler is not None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hdet_megatron.config import HDETConfig
 from hdet_megatron.controller import AutoController
@@ -282,6 +282,10 @@ def apply_hdet_load(scheduler, plan: HDETLoadPlan) -> None:
             scheduler._hdet_pending_runtime = None
         else:
             scheduler._hdet_pending_runtime = dict(plan.runtime)
+    elif runtime is not None:
+        # No runtime state (saved by a scheduler without a runtime): the loaded params still start
+        # the next update line (signal="line"/"average"), not the ones the runtime was built with.
+        runtime.mark_window_start()
     scheduler.set_window(plan.window)  # also re-applies the module axes of the runtime
 
 
@@ -297,6 +301,9 @@ def reset_for_plain_checkpoint(scheduler) -> None:
         runtime.steps_in_window = 0
         runtime._loss_sum.zero_()
         runtime._save_snapshot = None
+        # The loaded params start the first window's update line (signal="line"/"average");
+        # checkpoints load the model before the scheduler state, as Megatron's load_checkpoint.
+        runtime.mark_window_start()
     scheduler._hdet_pending_runtime = None
     scheduler.set_window(0)
 
