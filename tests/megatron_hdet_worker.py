@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -252,6 +251,13 @@ def bad_setups(rank: int, world_size: int) -> dict[str, str]:
             "plain_scheduler",
             lambda: HDET(config, model, optimizer, OptimizerParamScheduler(optimizer, **kwargs)),
         )
+        # Megatron's precision-aware optimizer (TE FusedAdam holds the fp32 masters): refused.
+        subs = getattr(optimizer, "chained_optimizers", [optimizer])
+        for sub in subs:
+            sub.config.use_precision_aware_optimizer = True
+        expect("precision_aware_optimizer", lambda: HDET(config, model, optimizer, scheduler))
+        for sub in subs:
+            sub.config.use_precision_aware_optimizer = False
         hdet = HDET(config, model, optimizer, scheduler)
         expect("no_losses_on_last_stage", lambda: hdet.step([]))
         probe_config = HDETConfig(period=2, signal="probe")

@@ -253,6 +253,13 @@ case(
     "--hdet-axis",
     "inside --hdet-axis",
 )
+case(
+    "mlm_precision_aware",
+    "mlm",
+    ["--use-precision-aware-optimizer"],
+    "--use-precision-aware-optimizer is not supported by HDET",
+    "train with --no-hdet",
+)
 case("mlm_num_layers_text", "mlm", ["--num-layers", "x"], "--num-layers", "--help")
 case("mlm_unknown_flag", "mlm", ["--hdet-perod", "5"], "--hdet-perod", "--help")
 case(

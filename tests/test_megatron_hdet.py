@@ -179,6 +179,8 @@ def test_bad_setups_get_clear_errors():
         assert "no loss key" in m["loss_key_missing"] and "loss_keys=" in m["loss_key_missing"]
         assert "needs Megatron DistributedDataParallel" in m["arm_sync_without_megatron_ddp"]
         assert "signal='probe' needs probe_fn" in m["probe_without_probe_fn"]
+        assert "use_precision_aware_optimizer" in m["precision_aware_optimizer"]
+        assert "train without it, or with --no-hdet" in m["precision_aware_optimizer"]
     last_stage = [m for m in messages]  # PP=1: every rank is on the last stage
     for m in last_stage:
         assert "got no losses on the last pipeline stage" in m["no_losses_on_last_stage"]

@@ -21,8 +21,8 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from hdet_megatron.averaging import BucketedAverager, Homer, own_storage, protect_module_state_dicts
 from hdet_megatron.config import LINE_SIGNALS, HDETConfig
 from hdet_megatron.controller import AllArmsNonFinite, ControllerUpdate
-from hdet_megatron.line_signal import LineFit, fit_line, line_points, persistence
+from hdet_megatron.line_signal import fit_line, line_points, persistence
 from hdet_megatron.megatron import cpu as _cpu  # noqa: F401
 from hdet_megatron.megatron.ckpt import state as ckpt_state
 from hdet_megatron.megatron.grad_sync import ArmGradSync
@@ -42,6 +42,13 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
 logger = logging.getLogger(__name__)
+
+#: The refusal of Megatron's precision-aware optimizer (one line, says what to do).
+PRECISION_AWARE_UNSUPPORTED = (
+    "use_precision_aware_optimizer (--use-precision-aware-optimizer) is not supported by HDET yet: "
+    "TE's FusedAdam keeps the fp32 master weights in its own state, so a converge would average "
+    "only the bf16 copies and the next step would undo it; train without it, or with --no-hdet"
+)
 
 #: Keys tried, in order, to find the loss in a loss function's reporting dict.
 DEFAULT_LOSS_KEYS = ("lm loss", "loss")
@@ -384,6 +391,11 @@ class HDET:
     # -- setup checks ----------------------------------------------------------------------------
     def _check_optimizer(self) -> None:
         subs = _sub_optimizers(self.optimizer)
+        if any(getattr(getattr(s, "config", None), "use_precision_aware_optimizer", False) for s in subs):
+            # OptimizerConfig.use_precision_aware_optimizer: TE's FusedAdam keeps the fp32 masters in
+            # its own state (master_weights=True) and the param groups hold the bf16 shards, so a
+            # converge would average the bf16 copies and the next step would undo it.
+            raise HDETSetupError(PRECISION_AWARE_UNSUPPORTED)
         self._distopt = any(isinstance(s, DistributedOptimizer) for s in subs)
         if self._distopt:
             ddp_config = next(s.ddp_config for s in subs if isinstance(s, DistributedOptimizer))

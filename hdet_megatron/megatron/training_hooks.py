@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import Any
 
 from hdet_megatron.args import add_hdet_args, hdet_config_from_args
 from hdet_megatron.config import HDETConfig, HDETConfigError
@@ -100,6 +100,14 @@ def config_from_args(args) -> HDETConfig | None:
     if not hasattr(args, "hdet_period"):
         return None
     config = hdet_config_from_args(args)
+    if config is not None and getattr(args, "use_precision_aware_optimizer", False):
+        # The runtime refuses it too (HDET._check_optimizer); here it is one line before anything
+        # is built.
+        raise HDETConfigError(
+            "--use-precision-aware-optimizer is not supported by HDET yet (TE's FusedAdam keeps the "
+            "fp32 master weights in its own state, which a converge does not reach): drop it, or "
+            "train with --no-hdet"
+        )
     if config is not None and config.signal in ("probe", "line", "average"):
         # The probe needs a forward pass on a batch shared by all arms; Megatron-LM's loop has no
         # hook for it yet, so refuse before anything is built rather than at the first converge.
