@@ -111,6 +111,10 @@ def main() -> None:
     short[short.index("--train-iters") + 1] = str(at[-1])
     missing = any(not os.path.isdir(os.path.join(ckpt, f"iter_{a:07d}")) for a in at)
     if missing or args.force:
+        # This benchmark's own checkpoints of an earlier (partial, or --force) run: pretrain_gpt.py
+        # refuses to --save among another run's checkpoints.
+        if os.path.isdir(ckpt):
+            shutil.rmtree(ckpt)
         # Save at every switch point: the save interval is their gcd.
         interval = reduce(gcd, at)
         run_one(

@@ -7,8 +7,9 @@ never a traceback. This module holds the pieces they share:
 * :func:`integer` / :func:`number`: ``argparse`` types whose errors name the expected range;
 * :class:`OneLineParser`: an ``ArgumentParser`` whose errors are one line (no usage block);
 * :func:`merge_defaults`: a launcher's default flags give way to the user's flags;
-* :func:`check_checkpoint` / :func:`check_run_dir`: ``--load`` is a readable checkpoint and a run
-  directory is not another job's, checked from the files alone (no torch, no process group).
+* :func:`check_checkpoint` / :func:`check_run_dir` / :func:`check_save_dir`: ``--load`` is a
+  readable checkpoint, a run directory is not another job's, ``--save`` holds no other run's
+  checkpoints, checked from the files alone (no torch, no process group).
 
 Importing it must stay cheap: the launch scripts run it once before ``torchrun``.
 """
@@ -23,7 +24,7 @@ import os
 import sys
 import zipfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 __all__ = [
     "InputError",
@@ -33,6 +34,7 @@ __all__ = [
     "merge_defaults",
     "check_checkpoint",
     "check_run_dir",
+    "check_save_dir",
     "fresh_run_dir",
     "fail",
 ]
@@ -350,7 +352,9 @@ _FRESH = [False]
 
 @contextlib.contextmanager
 def fresh_run_dir(fresh: bool = True):
-    """Inside: :func:`check_run_dir` accepts any directory (the launcher empties it first)."""
+    """Inside: the launcher empties ``--save`` before the run starts (the demo: only a previous
+    demo run, :mod:`hdet_megatron.run_dirs`), so :func:`check_run_dir` and :func:`check_save_dir`
+    do not check what is in it now."""
     saved, _FRESH[0] = _FRESH[0], bool(fresh)
     try:
         yield
@@ -363,7 +367,8 @@ def check_run_dir(
 ) -> None:
     """Refuse a run (or checkpoint) directory written by another job: its last run record has
     other model flags than ``args``. Raises :class:`InputError` naming the flags and the fix."""
-    if _FRESH[0]:
+    save = getattr(args, "save", None)
+    if _FRESH[0] and save and run_dir and os.path.realpath(run_dir) == os.path.realpath(save):
         return
     if not run_dir or not os.path.isdir(run_dir):
         if run_dir and os.path.exists(run_dir):
@@ -383,6 +388,44 @@ def check_run_dir(
         raise InputError(
             f"{flag} {run_dir} belongs to another job ({what}): use a new directory for this "
             "model, or give the same model flags to continue that run"
+        )
+
+
+def _iterations(path: str) -> list[int]:
+    """The ``iter_XXXXXXX`` directories in ``path``, as iteration numbers, ascending."""
+    out = []
+    for name in os.listdir(path):
+        if name.startswith("iter_") and name[5:].isdigit() and os.path.isdir(os.path.join(path, name)):
+            out.append(int(name[5:]))
+    return sorted(out)
+
+
+def check_save_dir(save: str, load: str | None, ckpt_step: int | None = None) -> None:
+    """``--save`` must not hold the checkpoints of another run: this run's saves would land among
+    them (the tracker rewritten, a checkpoint of the same iteration replaced). Allowed: no
+    checkpoint there, or ``--load`` names the same directory (this run continues that one), and
+    then with ``--ckpt-step N`` no checkpoint after N (the run would overwrite it). Raises
+    :class:`InputError` naming the directory and the fix."""
+    if _FRESH[0] or not save or not os.path.isdir(save):
+        return
+    iterations = _iterations(save)
+    has_tracker = os.path.isfile(os.path.join(save, TRACKER))
+    if not iterations and not has_tracker:
+        return
+    same = bool(load) and os.path.realpath(load) == os.path.realpath(save)
+    if not same:
+        held = f"iter_{iterations[-1]:07d}" if iterations else TRACKER
+        raise InputError(
+            f"--save {save} already holds checkpoints ({held}) of another run, which this run would "
+            f"write among (and over): pass --load {save} to continue that run, or give a new --save "
+            "directory"
+        )
+    later = [i for i in iterations if ckpt_step is not None and i > ckpt_step]
+    if later:
+        raise InputError(
+            f"--save {save} holds iter_{later[-1]:07d}, after the checkpoint this run resumes "
+            f"(--ckpt-step {ckpt_step}), and the run would overwrite it: save into a new directory "
+            "(--save NEW), or resume from the latest checkpoint (drop --ckpt-step)"
         )
 
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Optional
 
 from hdet_megatron.metrics import METRICS_FILE, as_float, read_metrics
+from hdet_megatron.preflight import InputError
+from hdet_megatron.run_dirs import REPORT_PNG_KEY, check_report_output
 
 
 class ReportError(ValueError):
@@ -387,7 +388,8 @@ def plot(run: Run, output: str, smooth: int | None = None) -> str:
 
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    fig.savefig(output, dpi=110)
+    # The text chunk marks the PNG as ours: a later report may replace it, nothing else.
+    fig.savefig(output, dpi=110, metadata={REPORT_PNG_KEY: "hdet_megatron.report"})
     plt.close(fig)
     return output
 
@@ -405,10 +407,16 @@ def _clip_loss_axis(ax, losses: list) -> None:
 def report(
     run_dir: str, output: str | None = None, make_plot: bool = True, smooth: int | None = None
 ) -> tuple[str, str | None]:
-    """Summary text and PNG path (``RUN_DIR/report.png`` unless ``output``)."""
+    """Summary text and PNG path (``RUN_DIR/report.png`` unless ``output``). Refuses
+    (:class:`ReportError`) to overwrite a file that ``hdet report`` did not write."""
     run = load_run(run_dir)
     text = summary(run)
     png = None
     if make_plot:
-        png = plot(run, output or os.path.join(run_dir, "report.png"), smooth=smooth)
+        output = output or os.path.join(run_dir, "report.png")
+        try:
+            check_report_output(output)  # never overwrite a file hdet report did not write
+        except InputError as exc:
+            raise ReportError(str(exc)) from None
+        png = plot(run, output, smooth=smooth)
     return text, png

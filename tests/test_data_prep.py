@@ -187,3 +187,37 @@ def test_prepare_cli(tmp_path, capsys):
     )
     assert "--data-path" in capsys.readouterr().out
     assert os.path.isfile(tmp_path / "g_text_document.idx")
+
+
+def test_prepared_data_never_overwrites_what_it_did_not_write(tmp_path):
+    """An existing dataset or file at the output names stays (issue 27): a stranger's file, an
+    earlier dataset at the same prefix, a file in the default corpus' cache slot. Only the
+    default corpus' own interrupted preparation (its sidecar, no .idx) is replaced."""
+    corpus_file = _write(tmp_path / "c.txt", "hello world")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine_text_document.bin").write_bytes(b"my own data")
+    with pytest.raises(D.DataError, match=r"mine_text_document\.bin already exists and was not written by"):
+        D.prepare_indexed_dataset([str(corpus_file)], str(out / "mine"), log=None)
+    assert (out / "mine_text_document.bin").read_bytes() == b"my own data"
+    assert sorted(os.listdir(out)) == ["mine_text_document.bin"]  # no temporary files left
+    meta = D.prepare_indexed_dataset([str(corpus_file)], str(out / "ok"), log=None)
+    before = {p: open(meta["prefix"] + p, "rb").read() for p in (".bin", ".idx", ".json")}
+    with pytest.raises(D.DataError, match=r"ok_text_document\.bin already exists: nothing is overwritten"):
+        D.prepare_indexed_dataset([str(_write(tmp_path / "d.txt", "other"))], str(out / "ok"), log=None)
+    assert {p: open(meta["prefix"] + p, "rb").read() for p in before} == before
+    # An interrupted preparation of this tool: replaced only where the caller allows it.
+    os.remove(meta["prefix"] + ".idx")
+    again = D.prepare_indexed_dataset(
+        [str(corpus_file)], str(out / "ok"), log=None, replaces=lambda old: True
+    )
+    assert open(again["prefix"] + ".bin", "rb").read() == before[".bin"]
+    # The default corpus' cache slot holding a file of someone else's: refused before any work.
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    slot = corpus.default_corpus_output_prefix(str(cache)) + corpus.DOCUMENT_SUFFIX
+    with open(slot + ".idx", "wb") as fh:
+        fh.write(b"not ours")
+    with pytest.raises(D.DataError, match="was not written by prepare_data.py"):
+        D.prepare_default_corpus(str(cache), log=None)
+    assert open(slot + ".idx", "rb").read() == b"not ours"

@@ -97,6 +97,13 @@ case(
     "--no-plot",
     "drop one of them",
 )
+case(
+    "report_output_foreign",
+    "hdet",
+    ["report", "{good_run}", "-o", "{foreign_png}"],
+    "my_plot.png exists and was not written by hdet report",
+    "write the plot elsewhere",
+)
 case("hdet_no_command", "hdet", [], "COMMAND", "--help")
 
 # pretrain_gpt.py (main(argv) with WORLD_SIZE=4): sizes vs. the world, flags, data, checkpoints
@@ -234,6 +241,20 @@ case(
     "--save",
     "give the same model flags",
 )
+case(
+    "pg_save_other_checkpoints",
+    "pretrain_gpt",
+    [*M, "--save", "{ckpt_two}"],
+    "already holds checkpoints (iter_0000020) of another run",
+    "pass --load",
+)
+case(
+    "pg_save_after_ckpt_step",
+    "pretrain_gpt",
+    [*M, "--load", "{ckpt_two}", "--save", "{ckpt_two}", "--ckpt-step", "10"],
+    "holds iter_0000020, after the checkpoint this run resumes (--ckpt-step 10)",
+    "--save NEW",
+)
 case("pg_unknown_flag", "pretrain_gpt", [*M, "--hdet-perod", "5"], "--hdet-perod", "unrecognized")
 
 # pretrain_gpt_hdet.py: Megatron-LM's parser and checks (patched megatron.training), HDET flags
@@ -314,6 +335,14 @@ case(
     "demo_tp_3", "demo", ["--tensor-model-parallel-size", "3"], "world size 4", "--tensor-model-parallel-size"
 )
 case("demo_steps_text", "demo", [], "STEPS=abc", "expected an integer", env={"STEPS": "abc"})
+case(
+    "demo_run_dir_foreign",
+    "demo",
+    [],
+    "stranger_dir is not empty and not a previous demo run",
+    "pick another RUN_DIR",
+    env={"RUN_DIR": "{stranger_dir}"},
+)
 case("demo_data_missing", "demo", ["--data-path", "{tmp}/corpus"], "corpus", "prepare_data.py")
 case("multinode_arms", "multinode", ["--hdet-arms", "3"], "--hdet-arms 3", "use one of [1, 2]")
 case("multinode_no_data", "multinode", [], "DATA_PATH", "MOCK=1", env={"MOCK": "0"})
@@ -434,6 +463,16 @@ def files(tmp_path_factory) -> dict[str, str]:
     (empty_iter / "iter_0000010").mkdir(parents=True)
     (empty_iter / "latest_checkpointed_iteration.txt").write_text("10")
     f["ckpt_empty_iter"] = str(empty_iter)
+    two = tmp / "ckpt_two"  # checkpoints at 10 and 20 (the tracker names 20)
+    _ckpt(two, 10)
+    _ckpt(two, 20)
+    f["ckpt_two"] = str(two)
+    stranger = tmp / "stranger_dir"  # somebody's directory (a RUN_DIR=. or $HOME)
+    stranger.mkdir()
+    (stranger / "notes.txt").write_text("mine")
+    f["stranger_dir"] = str(stranger)
+    (tmp / "my_plot.png").write_bytes(b"\x89PNG\r\n\x1a\n")  # a PNG hdet report did not write
+    f["foreign_png"] = str(tmp / "my_plot.png")
     legacy = tmp / "ckpt_legacy_empty"
     (legacy / "iter_0000010" / "mp_rank_00").mkdir(parents=True)
     (legacy / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"")

@@ -40,6 +40,7 @@ LAYERS = {
     "hdet_megatron.preflight": ENTRY,
     "hdet_megatron.cli": ENTRY,
     "hdet_megatron.report": ENTRY,
+    "hdet_megatron.run_dirs": ENTRY,
     "hdet_megatron.megatron.training_hooks": ENTRY,
     "hdet_megatron.megatron.preload": ENTRY,
     "hdet_megatron.megatron.sync_counter": ENTRY,

@@ -401,6 +401,38 @@ def test_patched_megatron_loop_two_nodes(nodes, tmp_path):
     assert (ckpt / TRACKER).read_text().strip() == "6"
 
 
+def test_launch_line_names_the_arm_count_in_use(tmp_path):
+    """The launcher's line names the arms the run uses: --hdet-arms (yours win over ARMS), one per
+    DP replica by default, or HDET off (issue 27). torchrun is a stand-in that records its argv."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/bash\n"
+        'if [[ "$1 $2" == "-m torch.distributed.run" ]]; then echo "torchrun stand-in"; exit 0; fi\n'
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    fake.chmod(0o755)
+    env = dict(base_env(free_port(), PYTHON=str(fake), SAVE=str(tmp_path / "ckpt"), **TINY), NNODES="1")
+    env["GPUS_PER_NODE"] = "8"  # TP2 x PP1 -> DP4
+    for extra, want in (
+        ([], "4 HDET arms"),
+        (["--hdet-arms", "2"], "2 HDET arms"),
+        (["--hdet-arms=1"], "1 HDET arms"),
+        (["--no-hdet"], "HDET off"),
+    ):
+        for arms_env in ("4", None):
+            run_env = dict(env, ARMS=arms_env) if arms_env else env
+            r = subprocess.run(
+                ["bash", str(RUN_MULTINODE), *extra],
+                env=run_env,
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert r.returncode == 0, r.stdout + r.stderr
+            assert f"world 8 = TP2 x PP1 x DP4, {want}, master" in r.stdout, (extra, arms_env, r.stdout)
+
+
 # -- Slurm ----------------------------------------------------------------------------------------
 _STUB_SCONTROL = """#!/bin/bash
 [[ "$1 $2" == "show hostnames" ]] || { echo "stub scontrol: $*" >&2; exit 1; }

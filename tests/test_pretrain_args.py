@@ -194,3 +194,29 @@ def test_main_prints_error_and_returns_2(pg, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")  # other ranks stay silent (one message per job)
     assert pg.main(["--tensor-model-parallel-size", "3", "--mock-data"]) == 2
     assert capsys.readouterr().err == ""
+
+
+def test_save_may_continue_only_its_own_checkpoints(tmp_path):
+    """--save DIR with checkpoints: refused unless --load DIR continues them (issue 27); the
+    refusals' lines are in tests/test_entry_points.py."""
+    from hdet_megatron.preflight import InputError, check_save_dir, fresh_run_dir
+
+    run = tmp_path / "run"
+    for it in (4, 8):
+        (run / f"iter_{it:07d}").mkdir(parents=True)
+    (run / "latest_checkpointed_iteration.txt").write_text("8")
+    (tmp_path / "alias").symlink_to(run)
+    check_save_dir(str(tmp_path / "new"), None)  # nothing there yet
+    check_save_dir(str(run), str(run))  # continue from the latest
+    check_save_dir(str(run), str(tmp_path / "alias"))  # the same directory by another name
+    check_save_dir(str(run), str(run), ckpt_step=8)
+    for load, step in ((None, None), (str(tmp_path / "other"), None), (str(run), 4)):
+        with pytest.raises(InputError):
+            check_save_dir(str(run), load, ckpt_step=step)
+    with fresh_run_dir():  # the demo clears --save itself first
+        check_save_dir(str(run), None)
+    assert sorted(p.name for p in run.iterdir()) == [
+        "iter_0000004",
+        "iter_0000008",
+        "latest_checkpointed_iteration.txt",
+    ]

@@ -142,3 +142,36 @@ def test_report_errors(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"type": "run"}) + "\n")
     with pytest.raises(ReportError, match="no training steps"):
         load_run(str(tmp_path))
+
+
+def test_report_replaces_only_its_own_png(tmp_path, capsys):
+    """A report.png that `hdet report` wrote is replaced by the next report; any other file at the
+    output path (a user's own plot) is left alone: one error line, exit code 2 (issue 27)."""
+    from hdet_megatron.run_dirs import is_hdet_report_png
+
+    _write_run(tmp_path)
+    _, png = report(str(tmp_path))
+    assert is_hdet_report_png(png)
+    _, again = report(str(tmp_path))  # its own PNG: replaced
+    assert again == png and is_hdet_report_png(png)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure()
+    mine = tmp_path / "mine.png"
+    fig.savefig(mine)  # a PNG of the user's: no hdet-report chunk
+    plt.close(fig)
+    assert not is_hdet_report_png(str(mine))
+    for target, argv in (
+        (tmp_path / "report.png", ["report", str(tmp_path)]),
+        (mine, ["report", str(tmp_path), "-o", str(mine)]),
+    ):
+        if target.name == "report.png":
+            target.write_bytes(mine.read_bytes())
+        before = target.read_bytes()
+        assert hdet_main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "was not written by hdet report" in err and "-o PATH" in err
+        assert target.read_bytes() == before

@@ -19,8 +19,8 @@ flag or file is one line and exit code 2 instead of one error per rank inside to
 * ``--data-path @default-corpus`` among the defaults stands for the demo's corpus: checked
   against the cached copy, or a stand-in when it is not prepared yet (the launcher prepares it
   after the flags passed, so a typo costs no corpus preparation).
-* ``--fresh``: the launcher empties ``--save`` before training, so its old contents are not
-  checked against this run.
+* ``--fresh``: the launcher empties ``--save`` before training (the demo: a previous demo run
+  only), so its old contents are not checked against this run (other directories still are).
 * ``--print0``: on success, print the merged argument list NUL-separated on stdout.
 
 Exit codes: 0 ok, 2 bad flag or file (one line on stderr: ``PROG: error: WHAT: FIX``).
@@ -34,7 +34,6 @@ import os
 import sys
 import tempfile
 from collections.abc import Sequence
-from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:

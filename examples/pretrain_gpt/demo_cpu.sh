@@ -4,10 +4,14 @@
 #   1. prepares the embedded default corpus (this interpreter's standard library, byte-level
 #      tokens, Megatron indexed dataset; cached in .hdet-cache/data),
 #   2. trains a small GPT, TP2 x DP2 = 2 HDET arms, through GPTDataset/BlendedMegatronDatasetBuilder,
-#      with validation, converges every 25 iterations, a dist_checkpointing checkpoint at the end,
+#      with validation, converges every 25 iterations (at STEPS=400), a dist_checkpointing checkpoint
+#      at the end,
 #   3. writes RUN_DIR/report.png and a summary with `hdet report`.
 #
-# Environment: STEPS (default 400), RUN_DIR (default runs/demo, wiped first), VENV (.venv).
+# Environment: STEPS (default 400; the warm-up, window, validation and log intervals follow it),
+# RUN_DIR (default runs/demo), VENV (.venv). RUN_DIR must be new, empty, or a previous run of
+# this demo (which it replaces); anything else is refused (hdet_megatron/run_dirs.py): the demo
+# removes nothing it did not write.
 # Extra arguments go to pretrain_gpt.py and replace the demo's default for the same flag
 # (e.g. --no-hdet, --hdet-period 50, --hdet-axis lr:0.3 instead of the demo's --hdet-spread).
 # They are checked for the 4-rank world before anything starts: a bad one is one error line,
@@ -24,25 +28,44 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 start=$(date +%s)
 [[ -x "$VENV/bin/python" ]] || { echo "demo_cpu.sh: error: no virtual environment at $VENV: run \`make setup\` (or set VENV=...)" >&2; exit 2; }
 [[ "$STEPS" =~ ^[1-9][0-9]*$ ]] || { echo "demo_cpu.sh: error: STEPS=$STEPS: expected an integer >= 1 (e.g. STEPS=400)" >&2; exit 2; }
-[[ -n "$RUN_DIR" && "$RUN_DIR" != "/" ]] || { echo "demo_cpu.sh: error: RUN_DIR='$RUN_DIR' is wiped before training: give a run directory such as runs/demo" >&2; exit 2; }
+[[ -n "$RUN_DIR" ]] || { echo "demo_cpu.sh: error: RUN_DIR is empty: give a run directory such as runs/demo" >&2; exit 2; }
+run_dirs() { HDET_PROG=demo_cpu.sh "$VENV/bin/python" -m hdet_megatron.run_dirs "$@"; }
 NPROC=4
+# The run length the defaults below follow: STEPS, or the --train-iters you pass.
+ITERS=$STEPS
+for ((i = 1; i <= $#; i++)); do
+    case "${!i}" in
+        --train-iters) j=$((i + 1)); ITERS=${!j:-$STEPS} ;;
+        --train-iters=*) ITERS=${!i#--train-iters=} ;;
+    esac
+done
+[[ "$ITERS" =~ ^[1-9][0-9]*$ ]] || ITERS=$STEPS  # a bad value: check_args.py names it below
+clamp() { local v=$1; (( v < $2 )) && v=$2; (( v > $3 )) && v=$3; echo "$v"; }
+# At STEPS=400: a window of 25, warm-up 30, validation every 100 iterations (10 batches), a log
+# line every 25. Shorter runs scale them down (STEPS=5: window 1, no warm-up, validation of one
+# batch after every iteration), so a quick smoke run works as is.
+PERIOD=$(clamp $((ITERS / 16)) 1 25)
+WARMUP=$(clamp $((ITERS * 3 / 40)) 0 30)
+EVAL_INTERVAL=$(clamp $((ITERS / 4 / PERIOD * PERIOD)) "$PERIOD" 100)
+EVAL_ITERS=$(clamp $((ITERS / 40)) 1 10)
 # The demo's defaults; any flag you pass replaces its default (check_args.py merges them).
 DEFAULTS=(
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128
     --hidden-dropout 0 --attention-dropout 0
     --micro-batch-size 4 --global-batch-size 8
-    --train-iters "$STEPS" --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 30
+    --train-iters "$STEPS" --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters "$WARMUP"
     --weight-decay 0.01 --clip-grad 1.0
     --data-path @default-corpus --split 90,5,5
-    --eval-interval 100 --eval-iters 10
-    --save "$RUN_DIR" --log-interval 25
-    --hdet-period 25 --hdet-spread 0.2
+    --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS"
+    --save "$RUN_DIR" --log-interval "$PERIOD"
+    --hdet-period "$PERIOD" --hdet-spread 0.2
 )
 # Check every flag for the 4-rank world once, before the corpus is prepared or a rank starts:
 # a bad flag is one line and exit code 2.
-FRESH=(--fresh)  # RUN_DIR is wiped below, so its old contents are not checked ...
-for a in "$@"; do case "$a" in --save|--save=*|--run-dir|--run-dir=*) FRESH=() ;; esac; done  # ... unless you pick it
+FRESH=(--fresh)  # RUN_DIR is cleared below (a previous demo run only), so its old contents are not checked ...
+for a in "$@"; do case "$a" in --save|--save=*) FRESH=() ;; esac; done  # ... unless you pick --save
+[[ ${#FRESH[@]} -eq 0 ]] || run_dirs check-demo "$RUN_DIR" || exit $?
 ARGS_FILE=$(mktemp)
 "$VENV/bin/python" examples/pretrain_gpt/check_args.py --world-size "$NPROC" "${FRESH[@]}" --print0 \
     --prog demo_cpu.sh --defaults "${#DEFAULTS[@]}" -- "${DEFAULTS[@]}" "$@" > "$ARGS_FILE" \
@@ -60,7 +83,9 @@ for i in "${!ARGS[@]}"; do
     esac
 done
 REPORT_DIR=${REPORT_DIR:-$SAVE_DIR}
-[[ ${#FRESH[@]} -eq 0 ]] || rm -rf "$RUN_DIR"
+run_dirs check-report "$REPORT_DIR" || exit $?  # hdet report writes REPORT_DIR/report.png at the end
+# Removes exactly the files of the previous demo run (checked again), then marks RUN_DIR as the demo's.
+[[ ${#FRESH[@]} -eq 0 ]] || run_dirs clear-demo "$RUN_DIR" || exit $?
 
 "$VENV/bin/torchrun" --standalone --nproc-per-node "$NPROC" examples/pretrain_gpt/pretrain_gpt.py "${ARGS[@]}" \
     2>&1 | grep --line-buffered -v -E "^(W[0-9]{4}|\*{5}|Setting OMP_NUM_THREADS|GPTModel IS DEPRECATED|MCore's async save)" || {

@@ -7,7 +7,6 @@ import datetime
 import json
 import os
 import sys
-from typing import Optional
 
 from hdet_megatron.args import add_hdet_args, hdet_config_from_args
 from hdet_megatron.config import HDETConfigError
@@ -448,7 +447,8 @@ def validate_args(args, argv: list[str], world_size: int):
 
 
 def _check_files(args) -> None:
-    """A readable checkpoint in --load, and no directory of another job (hdet_megatron.preflight)."""
+    """A readable checkpoint in --load, no directory of another job, and no other run's checkpoints
+    in --save (hdet_megatron.preflight)."""
     from hdet_megatron import preflight
 
     try:
@@ -461,6 +461,8 @@ def _check_files(args) -> None:
         ):
             if path:
                 preflight.check_run_dir(path, args, flag)
+        if args.save:
+            preflight.check_save_dir(args.save, args.load, args.ckpt_step)
     except preflight.InputError as exc:
         raise UsageError(str(exc)) from None
 

@@ -99,7 +99,16 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-
 # rendezvous order). MAX_RESTARTS > 0: after a failure torchrun restarts every node's workers,
 # which resume from the latest checkpoint in $LOAD. LOCAL_ADDR: this node's address for the
 # workers' store (default: its hostname).
-echo "run_multinode.sh: node $NODE_RANK/$NNODES, world $WORLD = TP$TP x PP$PP x DP$DP, $ARMS HDET arms, master $MASTER_ADDR:$MASTER_PORT"
+# The arm count the run uses: the merged flags' (yours win over ARMS), one per DP replica without.
+HDET_TEXT="$DP HDET arms"
+for i in "${!ARGS[@]}"; do
+    case "${ARGS[$i]}" in
+        --no-hdet) HDET_TEXT="HDET off"; break ;;
+        --hdet-arms) HDET_TEXT="${ARGS[$((i + 1))]} HDET arms" ;;
+        --hdet-arms=*) HDET_TEXT="${ARGS[$i]#--hdet-arms=} HDET arms" ;;
+    esac
+done
+echo "run_multinode.sh: node $NODE_RANK/$NNODES, world $WORLD = TP$TP x PP$PP x DP$DP, $HDET_TEXT, master $MASTER_ADDR:$MASTER_PORT"
 exec $PYTHON -m torch.distributed.run \
     --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-hdet-gpt}" \

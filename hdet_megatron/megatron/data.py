@@ -20,9 +20,8 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy
 
@@ -319,16 +318,20 @@ def prepare_indexed_dataset(
     append_eod: bool = True,
     extra_metadata: dict | None = None,
     log=print,
+    replaces: Callable[[dict], bool] | None = None,
 ) -> dict:
     """Tokenize ``inputs`` into ``<output_prefix>_text_document.{bin,idx}`` (+ ``.json``).
 
     Returns the sidecar metadata (``"prefix"`` is what ``--data-path`` takes). The files are
-    written under temporary names and renamed at the end, so a concurrent reader never sees a
-    half-written dataset.
+    written under temporary names and renamed at the end (the sidecar first), so a concurrent
+    reader never sees a half-written dataset. An existing file at those names is never
+    overwritten (:class:`DataError`), unless its sidecar was written here and ``replaces(sidecar)``
+    says this dataset may replace it (the default-corpus cache: an interrupted preparation).
     """
     tokenizer = tokenizer or ByteLevelTokenizer()
     files = expand_inputs(inputs)
     prefix = output_prefix + DOCUMENT_SUFFIX
+    _check_not_overwriting(prefix, replaces)
     out_dir = os.path.dirname(os.path.abspath(prefix))
     os.makedirs(out_dir, exist_ok=True)
     tmp = f"{prefix}.tmp{os.getpid()}"
@@ -374,11 +377,12 @@ def prepare_indexed_dataset(
             "sources": stats.file_list[:50] + ([f"... {stats.files - 50} more"] if stats.files > 50 else []),
             **(extra_metadata or {}),
         }
-        os.replace(tmp + ".bin", prefix + ".bin")
-        os.replace(tmp + ".idx", prefix + ".idx")
+        # The sidecar first: a .bin/.idx without one was never written here (see replaces).
         with open(tmp + ".json", "w") as fh:
             json.dump(meta, fh, indent=1)
         os.replace(tmp + ".json", sidecar_path(prefix))
+        os.replace(tmp + ".bin", prefix + ".bin")
+        os.replace(tmp + ".idx", prefix + ".idx")
     finally:
         for ext in (".bin", ".idx", ".json"):
             if os.path.exists(tmp + ext):
@@ -390,6 +394,28 @@ def prepare_indexed_dataset(
             f"in {prefix}.bin/.idx"
         )
     return meta
+
+
+def _check_not_overwriting(prefix: str, replaces: Callable[[dict], bool] | None) -> None:
+    """Refuse to write over a dataset (or any file) at ``prefix`` that may not be replaced."""
+    existing = [p for p in (prefix + ".bin", prefix + ".idx", sidecar_path(prefix)) if os.path.lexists(p)]
+    if not existing:
+        return
+    try:
+        with open(sidecar_path(prefix)) as fh:
+            old = json.load(fh)
+    except (OSError, ValueError):
+        old = None
+    ours = isinstance(old, dict) and old.get("format") == SIDECAR_FORMAT
+    if ours and replaces is not None and replaces(old):
+        return
+    raise DataError(
+        f"{existing[0]} already exists"
+        + ("" if ours else " and was not written by prepare_data.py")
+        + f": nothing is overwritten; remove {prefix}.{{bin,idx,json}} yourself, or write "
+        "elsewhere (another --output-prefix; for the default corpus another HDET_DATA_CACHE / "
+        "--cache-dir)"
+    )
 
 
 # --- the embedded default corpus (see hdet_megatron.corpus) ----------------------------------
@@ -419,6 +445,8 @@ def prepare_default_corpus(cache_dir: str | None = None, log=print) -> dict:
         ByteLevelTokenizer(),
         extra_metadata={"fingerprint": fingerprint, "description": description, "default_corpus": True},
         log=log,
+        # Only this corpus' own earlier (interrupted) preparation; a file of anyone else's stays.
+        replaces=lambda old: old.get("default_corpus") is True and old.get("fingerprint") == fingerprint,
     )
 
 

@@ -1,0 +1,197 @@
+"""What in a run directory the project wrote, and the only things it may remove or overwrite.
+
+Nothing a user made is ever removed: the demo clears its ``RUN_DIR`` only when it is recognisably
+a previous run of the demo (its marker file, and nothing but the files a ``pretrain_gpt.py`` run
+and ``hdet report`` write there), and ``hdet report`` replaces a PNG only when ``hdet report``
+wrote it (a text chunk in the PNG says so). Anything else is refused with one line that says
+what to do (:class:`~hdet_megatron.preflight.InputError`).
+
+Standard library only: the demo runs it before ``torchrun``.
+
+    python -m hdet_megatron.run_dirs check-demo RUN_DIR   # exit 2 + one line when not clearable
+    python -m hdet_megatron.run_dirs clear-demo RUN_DIR   # remove a previous demo run, mark it
+    python -m hdet_megatron.run_dirs check-report DIR     # DIR/report.png absent or ours
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import sys
+from collections.abc import Sequence
+
+from hdet_megatron.preflight import TRACKER, InputError, fail
+
+__all__ = [
+    "DEMO_MARKER",
+    "REPORT_PNG_KEY",
+    "demo_run_files",
+    "clear_demo_run",
+    "is_hdet_report_png",
+    "check_report_output",
+]
+
+#: Written by ``examples/pretrain_gpt/demo_cpu.sh`` into its RUN_DIR: the next demo run may clear
+#: a directory that holds it and nothing but a run's own files.
+DEMO_MARKER = ".hdet-demo-run"
+_MARKER_TEXT = (
+    "Written by examples/pretrain_gpt/demo_cpu.sh: this directory holds a demo run; the next demo "
+    "run with the same RUN_DIR replaces it (it refuses when anything else is in here).\n"
+)
+#: PNG text-chunk keyword that ``hdet report`` writes into its plots.
+REPORT_PNG_KEY = "hdet-report"
+
+#: Top-level files of a pretrain_gpt.py run directory plus the demo's report and marker
+#: (``write_tracker`` leaves ``TRACKER.tmp<pid>`` when killed mid-write).
+_TOP_FILES = re.compile(
+    rf"^(?:{re.escape(DEMO_MARKER)}|metrics\.jsonl|report\.png|{re.escape(TRACKER)}(?:\.tmp\d+)?)$"
+)
+_ITER_DIR = re.compile(r"^iter_\d{7}$")
+#: Inside ``iter_XXXXXXX``: dist_checkpointing (torch_dist) and legacy (torch) checkpoint files.
+_CKPT_FILES = re.compile(r"^(?:metadata\.json|\.metadata|common\.pt|__\d+_\d+\.distcp)$")
+_LEGACY_RANK_DIR = re.compile(r"^mp_rank_\d{2}(?:_\d{3})?$")
+_LEGACY_FILES = re.compile(r"^(?:model_optim_rng|distrib_optim)\.pt$")
+_TB_FILES = re.compile(r"^events\.out\.tfevents\..+$")
+
+
+def _entries(path: str) -> list[os.DirEntry]:
+    with os.scandir(path) as it:
+        return sorted(it, key=lambda e: e.name)
+
+
+def _run_files(run_dir: str) -> tuple[list[str], list[str], str | None]:
+    """(files, directories) of ``run_dir`` that a run wrote, deepest first, and the first entry
+    it did not write (None when there is none). Symbolic links are never a run's."""
+    files: list[str] = []
+    dirs: list[str] = []
+
+    def walk(path: str, file_ok, dir_rules) -> str | None:
+        for entry in _entries(path):
+            if entry.is_symlink():
+                return entry.path
+            if entry.is_dir():
+                rule = next((sub for pattern, sub in dir_rules if pattern.match(entry.name)), None)
+                if rule is None:
+                    return entry.path
+                found = walk(entry.path, *rule)
+                if found is not None:
+                    return found
+                dirs.append(entry.path)
+            elif entry.is_file() and file_ok.match(entry.name):
+                if path == run_dir and entry.name == "report.png" and not is_hdet_report_png(entry.path):
+                    return entry.path  # a plot of someone else's under the report's name
+                files.append(entry.path)
+            else:
+                return entry.path
+        return None
+
+    legacy_rank = (_LEGACY_FILES, ())
+    iteration = (_CKPT_FILES, ((_LEGACY_RANK_DIR, legacy_rank),))
+    tensorboard = (_TB_FILES, ())
+    top = (_TOP_FILES, ((_ITER_DIR, iteration), (re.compile(r"^tensorboard$"), tensorboard)))
+    found = walk(run_dir, *top)
+    return files, dirs, found
+
+
+def demo_run_files(run_dir: str) -> tuple[list[str], list[str]]:
+    """The files and directories a previous demo run left in ``run_dir`` (empty lists when it is
+    missing or empty). Raises :class:`InputError` when ``run_dir`` is not clearable: not a
+    directory, without the demo's marker, or holding anything a run did not write."""
+    if not os.path.lexists(run_dir):
+        return [], []
+    if os.path.islink(run_dir) or not os.path.isdir(run_dir):
+        raise InputError(
+            f"RUN_DIR={run_dir} is not a directory; the demo clears its RUN_DIR before training: "
+            "give a directory (e.g. RUN_DIR=runs/demo)"
+        )
+    if not os.listdir(run_dir):
+        return [], []
+    files, dirs, stranger = _run_files(run_dir)
+    if stranger is None and os.path.isfile(os.path.join(run_dir, DEMO_MARKER)):
+        return files, dirs
+    why = (
+        f"{stranger} is not a file of a demo run"
+        if stranger is not None
+        else f"it has no {DEMO_MARKER} (not written by the demo)"
+    )
+    raise InputError(
+        f"RUN_DIR={run_dir} is not empty and not a previous demo run ({why}); the demo clears "
+        "its RUN_DIR before training and removes nothing it did not write: pick another RUN_DIR "
+        "(e.g. RUN_DIR=runs/demo2), or move that directory away"
+    )
+
+
+def clear_demo_run(run_dir: str) -> int:
+    """Remove a previous demo run from ``run_dir`` (only the files :func:`demo_run_files`
+    recognised, then their directories), create ``run_dir`` if needed and mark it as the demo's.
+    Returns the number of files removed. Raises :class:`InputError` when it is not clearable."""
+    files, dirs = demo_run_files(run_dir)
+    for path in files:
+        os.remove(path)
+    for path in dirs:  # deepest first; rmdir refuses a directory that is not empty
+        os.rmdir(path)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, DEMO_MARKER), "w") as fh:
+        fh.write(_MARKER_TEXT)
+    return len(files)
+
+
+# --- the report's PNG ---------------------------------------------------------------------------
+
+
+def is_hdet_report_png(path: str) -> bool:
+    """Whether ``path`` is a PNG that ``hdet report`` wrote (its ``hdet-report`` text chunk)."""
+    try:
+        with open(path, "rb") as fh:
+            if fh.read(8) != b"\x89PNG\r\n\x1a\n":
+                return False
+            while True:
+                head = fh.read(8)
+                if len(head) < 8:
+                    return False
+                length, kind = struct.unpack(">I4s", head)
+                if kind == b"tEXt" and length < 1 << 16:
+                    key = fh.read(length).split(b"\0", 1)[0]
+                    if key == REPORT_PNG_KEY.encode("latin-1"):
+                        return True
+                    fh.seek(4, os.SEEK_CUR)
+                elif kind == b"IEND":
+                    return False
+                else:
+                    fh.seek(length + 4, os.SEEK_CUR)
+    except OSError:
+        return False
+
+
+def check_report_output(path: str) -> None:
+    """``hdet report`` may write ``path``: it does not exist, or ``hdet report`` wrote it. Raises
+    :class:`InputError` otherwise."""
+    if os.path.lexists(path) and not (os.path.isfile(path) and is_hdet_report_png(path)):
+        raise InputError(
+            f"{path} exists and was not written by hdet report, which never overwrites a file it "
+            "did not write: move it away, or write the plot elsewhere (hdet report RUN_DIR -o PATH)"
+        )
+
+
+# --- command line (the demo) --------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    actions = {
+        "check-demo": demo_run_files,
+        "clear-demo": clear_demo_run,
+        "check-report": lambda d: check_report_output(os.path.join(d, "report.png")),
+    }
+    if len(argv) != 2 or argv[0] not in actions:
+        return fail("run_dirs", f"usage: python -m hdet_megatron.run_dirs {{{','.join(actions)}}} DIR")
+    try:
+        actions[argv[0]](argv[1])
+    except InputError as exc:
+        return fail(os.environ.get("HDET_PROG", "run_dirs"), str(exc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
