@@ -41,9 +41,8 @@ import functools
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -154,6 +153,16 @@ class Homer:
         return the tensor the averager keeps for it."""
         tensor.data = view
         return tensor
+
+    def current(self, kept: torch.Tensor) -> torch.Tensor:
+        """The tensor that holds the values of homed tensor ``kept`` now (what :meth:`install`
+        returned): ``kept`` itself here, whose ``.data`` something may have replaced."""
+        return kept
+
+    def rehome(self, kept: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+        """Move homed tensor ``kept`` back into ``view`` (its values already copied there);
+        return the tensor the averager keeps for it from now on."""
+        return self.install(kept, view)
 
 
 def own_storage(t: torch.Tensor) -> torch.Tensor:
@@ -334,6 +343,7 @@ class BucketedAverager:
         if not buckets:  # nothing to average: one empty bucket keeps the weight's dtype
             buckets.append(_Bucket(torch.float32, 0, ()))
         self._buckets = buckets
+        self._homer = homer
         self._install_homes(homer)
 
         copy_ids = [i for i, b in enumerate(buckets) if b.home is None]
@@ -455,7 +465,7 @@ class BucketedAverager:
         tensor's ``.data`` (``module.to()``, ``load_state_dict(assign=True)``) would otherwise
         leave the average in the buffer and not in the tensor. Such a tensor is moved back."""
         for idx, view in self._home_views.items():
-            t = self._tensors[idx]
+            t = self._homer.current(self._tensors[idx])
             if t.data_ptr() == view.data_ptr() and t.shape == view.shape:
                 continue
             if t.shape != view.shape or t.dtype != view.dtype or t.device != view.device:
@@ -464,7 +474,7 @@ class BucketedAverager:
                     f"{tuple(t.shape)}, {t.dtype}, {t.device}); build a new averager"
                 )
             view.copy_(t)
-            t.data = view
+            self._tensors[idx] = self._homer.rehome(self._tensors[idx], view)
             _warn_once(
                 "rehomed",
                 "BucketedAverager: a homed tensor's storage was replaced (e.g. by module.to() or "

@@ -45,7 +45,7 @@ import os
 import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,7 @@ __all__ = [
     "is_fsdp2_setup",
     "load_checkpoint",
     "local_shards",
+    "reshard_all",
     "save_checkpoint",
 ]
 
@@ -275,6 +276,7 @@ class FSDP2Homer(Homer):
                 for fp in group.fsdp_params:
                     self._by_param[id(fp.sharded_param)] = fp
         self._by_data: dict[int, Any] = {}
+        self._by_view: dict[int, Any] = {}  # id(view the averager keeps) -> its FSDPParam
         self.tensors: list[torch.Tensor] = []
         DTensor = _dtensor_cls()
         for t in dtensors:
@@ -301,11 +303,28 @@ class FSDP2Homer(Homer):
 
     def install(self, tensor: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
         fp = self._by_data[id(tensor)]
+        self._point(fp, view)
+        self._by_view[id(view)] = fp
+        return view
+
+    @staticmethod
+    def _point(fp, view: torch.Tensor) -> None:
         local = fp.sharded_param._local_tensor
         dim = fp.fsdp_placement.dim
         length = local.size(dim) if local.numel() > 0 else 0
         fp._sharded_param_data = view
         fp.sharded_param._local_tensor = view.view(fp.padded_sharded_param_size).narrow(dim, 0, length)
+
+    def current(self, kept: torch.Tensor) -> torch.Tensor:
+        """FSDP2's padded shard as it is now: ``FSDPParam.reset_sharded_param`` (run by
+        ``module._apply``, e.g. ``.to()``, and after ``load_state_dict``) gives the parameter new
+        padded storage when its local tensor no longer shares ours. The view the averager keeps
+        cannot show that (it is always its own view), so compare FSDP's tensor with it."""
+        fp = self._by_view.get(id(kept))
+        return kept if fp is None else fp._sharded_param_data
+
+    def rehome(self, kept: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+        self._point(self._by_view[id(kept)], view)
         return view
 
 
@@ -320,6 +339,26 @@ def _fsdp_param_groups(model) -> list:
         if isinstance(module, FSDPModule):
             groups.extend(module._get_fsdp_state()._fsdp_param_groups)
     return groups
+
+
+def fsdp_modules(models) -> list:
+    """Every ``fully_shard``-ed module of ``models`` (None entries skipped)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for model in models if model is not None for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def reshard_all(modules) -> None:
+    """``FSDPModule.reshard()`` on every module of ``modules`` (the call is not recursive).
+
+    A forward without backward leaves a module unsharded when it does not reshard after forward
+    (``reshard_after_forward=False``, and FSDP2's root module by default): its gathered params
+    stay allocated, and the next ``unshard()`` returns at once (``FSDPParamGroup.unshard``: "if
+    self.is_unsharded: return  # no-op"), so a later forward would compute with the values
+    gathered before the local shards were overwritten (a line point, a converge). Resharding
+    frees them; the next forward gathers the shards as they are now (issue #29 bug 4)."""
+    for module in modules:
+        module.reshard()
 
 
 class FSDP2GradSync:
@@ -419,12 +458,15 @@ class FSDPRuntime(_Runtime):
     replicate all-reduce off (:class:`FSDP2GradSync`) until :meth:`close`.
     """
 
-    def __init__(self, config: HDETConfig, optimizer, model, process_group, device_mesh=None) -> None:
+    def __init__(
+        self, config: HDETConfig, optimizer, model, process_group, device_mesh=None, probe_fn=None
+    ) -> None:
         self._optimizer_ref = optimizer
         self._model_ref = model
         self._mesh_arg = device_mesh
         self.grad_sync: FSDP2GradSync | None = None
-        super().__init__(config, optimizer, model, process_group)
+        self._fsdp_modules = fsdp_modules([model])
+        super().__init__(config, optimizer, model, process_group, probe_fn)
         self.grad_sync = FSDP2GradSync(model, self.arms, config.grad_sync)
         self.grad_sync.install()
         # Set by save_checkpoint when it converged at (last_epoch, num_converges).
@@ -472,6 +514,11 @@ class FSDPRuntime(_Runtime):
                 home=homer if self.config.home_main_params else False,
             )
             self.params = local_shards(self.dtensors, self.arms)  # homing replaced local tensors
+
+    def refresh(self) -> None:
+        """Reshard every FSDP module (:func:`reshard_all`): the next forward all-gathers the local
+        shards as they are now (a line point, the restored arm, the converged average)."""
+        reshard_all(self._fsdp_modules)
 
     def close(self) -> None:
         if self.grad_sync is not None:

@@ -2,47 +2,69 @@
 
 :class:`_Runtime` holds everything HDET keeps for a plain (DDP or single-process) torch model
 besides torch's own scheduler state: the arm topology, which axis drives each param group's LR,
-the controller, the per-window loss accumulators, the averager and the rollback snapshot.
+the controller, the per-window loss accumulators, the probe (``probe_fn``) and the line-search
+engine (:mod:`hdet_megatron.line_search`), the averager and the rollback snapshot.
 :class:`hdet_megatron.fsdp.FSDPRuntime` subclasses it for FSDP2 (HSDP) models, and
 :class:`hdet_megatron.torch_scheduler.HDETOneCycleLR` builds one of the two. Layering: this
-module imports only the math (config, spread, controller, averaging), never the schedulers.
+module imports only the math (config, spread, controller, averaging, line search, window
+losses), never the schedulers.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import logging
-import math
-from typing import Any, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hdet_megatron.averaging import AverageStats, BucketedAverager, protect_module_state_dicts
-from hdet_megatron.config import HDETConfig
+from hdet_megatron.config import LINE_SIGNALS, HDETConfig
 from hdet_megatron.controller import AutoController, ControllerUpdate
+from hdet_megatron.line_search import LineSearch, probe_scalar, run_probe
+from hdet_megatron.line_signal import LineFit
 from hdet_megatron.spread import arm_axis_value, arm_spread
+from hdet_megatron.window_losses import WindowLosses, params_finite, reduce_window
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["TorchRuntime"]
 
 _SUPPORTED_AXES = "'lr' or 'lr:<param-group name pattern>'"
+#: Signals whose controller input comes from ``probe_fn``.
+PROBE_SIGNALS = ("probe",) + LINE_SIGNALS
 
 
 class _Runtime:
     """Everything HDET keeps besides torch's own scheduler state (excluded from ``state_dict``
     except for the plain-data parts written under ``"hdet"``)."""
 
-    def __init__(self, config: HDETConfig, optimizer, model, process_group) -> None:
-        if config.signal != "train":
-            # Only the Megatron runtime runs probe passes (HDET(probe_fn=...)); here the
-            # training loss is all there is, so say so instead of silently using it.
-            raise ValueError(
-                f"HDETConfig.signal={config.signal!r} needs a probe forward pass, which only the "
-                "Megatron runtime (hdet_megatron.megatron.HDET with probe_fn) runs; use "
-                "signal='train' here"
-            )
+    def __init__(
+        self,
+        config: HDETConfig,
+        optimizer,
+        model,
+        process_group,
+        probe_fn: Callable[[], Any] | None = None,
+    ) -> None:
+        if config.signal in PROBE_SIGNALS:
+            if probe_fn is None:
+                raise ValueError(
+                    f"HDETConfig.signal={config.signal!r} needs probe_fn: a no-argument callable "
+                    "returning this rank's loss on a batch it has not trained on (see "
+                    "docs/python-api.md); pass HDETOneCycleLR(..., probe_fn=...) or use signal='train'"
+                )
+            if model is None:
+                raise ValueError(
+                    f"HDETConfig.signal={config.signal!r} needs model=...: the probe runs with the "
+                    "model switched to eval() (and back), and the line search writes into its params"
+                )
+        elif probe_fn is not None and not callable(probe_fn):
+            raise TypeError(f"probe_fn must be a no-argument callable, got {type(probe_fn).__name__}")
+        self.probe_fn = probe_fn
+        self.model = model
         self.config = config
         self._init_topology(process_group)
 
@@ -75,15 +97,22 @@ class _Runtime:
 
         self.controller = AutoController(config, self.num_arms)
         self._init_params(optimizer, model)
-        acc_dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        self.loss_sum = torch.zeros((), dtype=acc_dtype, device=self.device)
+        self.acc_dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        self.loss_sum = torch.zeros((), dtype=self.acc_dtype, device=self.device)
         self.host_loss_sum = 0.0
         self.loss_count = 0
+        self.steps_in_window = 0
+        """Optimizer steps since the last converge (the window's start)."""
+        # The line signals' engine (window start, running sum, probing, restore).
+        self.line_search = LineSearch(self.params, config.signal) if config.signal in LINE_SIGNALS else None
+        self.mark_window_start()
         self.snapshot: list[torch.Tensor] | None = None
         if config.rollback:
             self.take_snapshot()
         self.spread_cache: tuple[int, dict[str, list[float]]] = (-1, {})
         self.last_update: ControllerUpdate | None = None
+        self.last_line: LineFit | None = None
+        self.last_losses: WindowLosses | None = None
         self.last_stats: AverageStats | None = None
         self.last_base_lrs: list[float] = []
         self.num_converges = 0
@@ -173,16 +202,53 @@ class _Runtime:
         self.host_loss_sum = 0.0
         self.loss_count = 0
 
-    def arm_losses(self) -> tuple[list[float], list[float]]:
-        """(mean window loss, number of losses) per arm: one tiny all-reduce, one host sync."""
-        table = torch.zeros(2, self.num_arms, dtype=self.loss_sum.dtype, device=self.device)
-        table[0, self.arm] = self.loss_sum + self.host_loss_sum
-        table[1, self.arm] = float(self.loss_count)
-        if self.size > 1:
-            dist.all_reduce(table, group=self.group)
-        sums, counts = table.tolist()
-        losses = [s / c if c else math.nan for s, c in zip(sums, counts)]
-        return losses, counts
+    def after_step(self) -> None:
+        """One optimizer step done: ``"average"`` adds it to the running sum (device-side)."""
+        if self.line_search is not None:
+            self.line_search.accumulate()
+        self.steps_in_window += 1
+
+    # -- probes ---------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Make the model compute with its params as they are now (after a line point was written
+        into them, the restore, a converge or a rollback). Nothing to do for plain tensors;
+        :class:`hdet_megatron.fsdp.FSDPRuntime` reshards FSDP2's modules."""
+
+    def probe_loss(self) -> torch.Tensor:
+        """This rank's loss from ``probe_fn``, run under ``torch.no_grad()`` with the model in
+        eval mode (its previous mode restored); a device scalar (no host sync). The model is
+        refreshed after it (FSDP2: resharded, whatever the forward left gathered)."""
+        loss = probe_scalar(run_probe(self.probe_fn, [self.model]), self.device, self.acc_dtype)
+        self.refresh()
+        return loss
+
+    def mark_window_start(self) -> None:
+        """The params are a window's start (after a converge; after a checkpoint load, valid for
+        the line signals only at a window boundary)."""
+        if self.line_search is not None:
+            self.line_search.mark_window_start(self.steps_in_window)
+
+    def reduce_window(self, probe: torch.Tensor | None, points: torch.Tensor | None, num_points: int):
+        """The window's one small all-reduce over ``group`` (one host sync): every rank's loss
+        sum and count, its probe loss or its losses at the line points, and whether its params
+        are finite (:func:`hdet_megatron.window_losses.reduce_window`)."""
+        self.last_losses = reduce_window(
+            num_arms=self.num_arms,
+            num_rows=self.size,
+            arm=self.arm,
+            row=self.rank,
+            group=self.group,
+            reduce=self.size > 1,
+            device=self.device,
+            dtype=self.acc_dtype,
+            train_sum=self.loss_sum + self.host_loss_sum,
+            train_count=float(self.loss_count),
+            probe=probe,
+            points=points,
+            num_points=num_points,
+            finite=params_finite(self.params),
+        )
+        return self.last_losses
 
     # -- rollback -------------------------------------------------------------------------------
     @torch.no_grad()

@@ -35,8 +35,9 @@ With ``hdet=None`` (or one rank, spread 0 and the controller off) it is exactly 
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,11 +45,14 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import OneCycleLR
 
 from hdet_megatron.averaging import AverageStats, BucketedAverager
-from hdet_megatron.config import HDETConfig
+from hdet_megatron.config import LINE_SIGNALS, HDETConfig
 from hdet_megatron.controller import AllArmsNonFinite, AutoController, ControllerUpdate
 from hdet_megatron.fsdp import FSDPRuntime, is_fsdp2_setup
+from hdet_megatron.line_search import start_probe_window
+from hdet_megatron.line_signal import LineFit, fit_line, line_points, persistence
 from hdet_megatron.schedule import ANNEAL_STRATEGIES, phase_at
 from hdet_megatron.torch_runtime import _Runtime
+from hdet_megatron.window_losses import WindowLosses
 
 __all__ = ["HDETOneCycleLR", "MissingLoss"]
 
@@ -73,6 +77,15 @@ class HDETOneCycleLR(OneCycleLR):
             (replicate, shard) the model was sharded over; the arms are its replicate
             dimension (see :mod:`hdet_megatron.fsdp`). Inferred from the parameters' DTensors
             when omitted; a 1-D (pure FSDP) mesh is refused with an explanation.
+        probe_fn: needed by ``hdet.signal`` ``"probe"``, ``"line"`` and ``"average"`` (with
+            ``model=...``): a no-argument callable that returns this rank's loss (a scalar tensor
+            or a float) on a batch it has not trained on. The scheduler calls it at a window's
+            end, before the average, under ``torch.no_grad()`` with ``model`` switched to
+            ``eval()`` (its previous mode restored): once with ``"probe"`` (the batch must be the
+            same on every rank), once per point of the window's update line with the line
+            signals (each rank its own batch, the same at every point of one window:
+            :class:`~hdet_megatron.line_search.BatchProbe` does that). Collective when the model
+            is (FSDP2: every rank calls it the same number of times).
 
     ``step(loss)`` takes this rank's (undetached is fine) local training loss of the step just
     taken; the arms' window losses drive the controller and the non-finite exclusion. An arm
@@ -82,8 +95,11 @@ class HDETOneCycleLR(OneCycleLR):
     :class:`~hdet_megatron.controller.AllArmsNonFinite`, or with ``hdet.rollback`` the
     parameters of the last converge are restored (a snapshot kept on the device) and the scale
     is halved. Single-arm runs need no loss (the controller has nothing to compare).
+    An arm whose parameters are non-finite on any of its ranks counts as non-finite too (with the
+    line signals its replicas' probe losses are left out of the line's points).
     Attributes after each converge: :attr:`last_update` (the controller's
-    :class:`~hdet_megatron.controller.ControllerUpdate`), :attr:`last_stats` (the averaging's
+    :class:`~hdet_megatron.controller.ControllerUpdate`), :attr:`last_line` (the line signals'
+    :class:`~hdet_megatron.line_signal.LineFit`), :attr:`last_stats` (the averaging's
     :class:`~hdet_megatron.averaging.AverageStats`), :meth:`metrics`.
     """
 
@@ -108,6 +124,7 @@ class HDETOneCycleLR(OneCycleLR):
         model: torch.nn.Module | None = None,
         process_group: dist.ProcessGroup | None = None,
         device_mesh: Any | None = None,
+        probe_fn: Callable[[], Any] | None = None,
     ) -> None:
         if hdet is not None and not isinstance(hdet, HDETConfig):
             raise TypeError(f"hdet must be an HDETConfig or None, got {type(hdet).__name__}")
@@ -118,9 +135,9 @@ class HDETOneCycleLR(OneCycleLR):
         if hdet is not None:
             if device_mesh is not None or is_fsdp2_setup(optimizer, model):
                 # FSDP2 (fully_shard) model: arms are the replicate dim of the HSDP mesh.
-                self._hdet = FSDPRuntime(hdet, optimizer, model, process_group, device_mesh)
+                self._hdet = FSDPRuntime(hdet, optimizer, model, process_group, device_mesh, probe_fn)
             else:
-                self._hdet = _Runtime(hdet, optimizer, model, process_group)
+                self._hdet = _Runtime(hdet, optimizer, model, process_group, probe_fn)
         super().__init__(
             optimizer,
             max_lr,
@@ -197,6 +214,7 @@ class HDETOneCycleLR(OneCycleLR):
         if rt is not None and not initial:
             if loss is not None:
                 rt.add_loss(loss)
+            rt.after_step()
             done = self.last_epoch + 1  # optimizer steps taken so far
             if done > 0 and done % rt.config.period == 0:
                 self._converge(done)
@@ -218,13 +236,46 @@ class HDETOneCycleLR(OneCycleLR):
         self._converge(done, partial=True)
         return self.last_update
 
+    def _window_signal(
+        self, window: int, step: int
+    ) -> tuple[WindowLosses, list[float] | None, LineFit | None]:
+        """Probe (``signal`` probe/line/average, when the window has steps), then the window's one
+        reduction. Returns the reduced losses, the controller's signal per arm (None: the train
+        losses) and the window's line fit."""
+        rt, cfg = self._hdet, self._hdet.config
+        spreads = rt.spreads(window)
+        probe = points = losses = None
+        if rt.steps_in_window and cfg.signal == "probe":
+            start_probe_window(rt.probe_fn, window)
+            probe = rt.probe_loss()
+        elif rt.steps_in_window and rt.line_search is not None and rt.line_search.valid:
+            start_probe_window(rt.probe_fn, window)
+            points = line_points(spreads["lr"])
+            losses = rt.line_search.evaluate(points, spreads["lr"][rt.arm], rt.refresh, rt.probe_loss)
+        reduced = rt.reduce_window(probe, losses, len(points) if points is not None else 0)
+        if points is not None:
+            # "average" is not corrected (the weight average leaves the noise floor out); "line"
+            # by the part of today's noise floor that survives to the end of the schedule.
+            kappa = 1.0
+            if cfg.signal == "line":
+                kappa = persistence(self._base_lrs_at(step)[0], self._base_lrs_at(self.total_steps)[0])
+            line = fit_line(points, reduced.point_losses, spreads["lr"], kappa)
+            return reduced, list(line.pseudo_losses), line
+        if cfg.signal in LINE_SIGNALS and rt.steps_in_window:
+            # No line this window (a mid-window resume): equal losses, so nothing moves.
+            return reduced, [0.0 if math.isfinite(x) else x for x in reduced.train], None
+        if cfg.signal == "probe" and rt.steps_in_window:
+            return reduced, reduced.probe, None
+        return reduced, None, None
+
     def _converge(self, step: int, partial: bool = False) -> None:
         rt = self._hdet
         cfg = rt.config
         window = max(self.last_epoch, 0) // cfg.period
-        losses, counts = rt.arm_losses()
+        reduced, signal, line = self._window_signal(window, step)
+        counts = reduced.train_counts
         update: ControllerUpdate | None = None
-        if not any(counts):
+        if signal is None and not any(counts):
             # No loss signal at all (e.g. a single arm used as a drop-in OneCycleLR): average,
             # leave the controller alone.
             if cfg.auto and step >= cfg.auto_start and not partial and rt.num_arms > 1:
@@ -233,13 +284,16 @@ class HDETOneCycleLR(OneCycleLR):
                     "rank's training loss to scheduler.step(loss) so the controller can compare "
                     "the arms (or set HDETConfig(auto=False))"
                 )
-        elif not all(counts):
+        elif any(counts) and not all(counts):
             missing = [a for a, c in enumerate(counts) if not c]
             raise MissingLoss(
                 f"HDET window {window}: arm(s) {missing} reported no loss while others did; "
                 "call scheduler.step(loss) on every rank"
             )
         else:
+            losses = reduced.train if signal is None else signal
+            # An arm whose parameters blew up is as bad as an infinite loss, whatever it reported.
+            losses = [math.inf if bad else x for x, bad in zip(losses, reduced.bad)]
             bases = self._base_lrs_at(step)  # base schedule at the first step of the next window
             base_values = {
                 axis.name: bases[rt.group_axes.index(axis)] for axis in cfg.axes if axis in rt.group_axes
@@ -250,9 +304,12 @@ class HDETOneCycleLR(OneCycleLR):
                 if not cfg.rollback:
                     raise
                 rt.restore_snapshot()
+                rt.refresh()
                 self._sanitize_optimizer_state()
                 rt.controller.cut_scale(0.5)
                 rt.reset_losses()
+                rt.steps_in_window = 0
+                rt.mark_window_start()
                 rt.num_rollbacks += 1
                 warnings.warn(
                     f"HDET: every arm's loss was non-finite in window {window} (step {step}); "
@@ -267,13 +324,17 @@ class HDETOneCycleLR(OneCycleLR):
             if excluded:
                 weight = 0.0 if rt.arm in excluded else 1.0
             rt.last_stats = rt.averager.average(weight)
+        rt.refresh()
         if rt.arm in excluded:
             self._sanitize_optimizer_state()
         if cfg.rollback:
             rt.take_snapshot()
         rt.reset_losses()
+        rt.steps_in_window = 0
+        rt.mark_window_start()
         if update is not None:
             rt.last_update = update
+            rt.last_line = line
         rt.num_converges += 1
 
     @torch.no_grad()
@@ -319,6 +380,11 @@ class HDETOneCycleLR(OneCycleLR):
         return self._hdet.last_stats if self._hdet is not None else None
 
     @property
+    def last_line(self) -> LineFit | None:
+        """The line search of the last converge (``signal`` ``"line"``/``"average"``; else None)."""
+        return self._hdet.last_line if self._hdet is not None else None
+
+    @property
     def last_arm_losses(self) -> list[float] | None:
         update = self.last_update
         return list(update.arm_losses) if update is not None else None
@@ -359,6 +425,8 @@ class HDETOneCycleLR(OneCycleLR):
         }
         if rt.last_update is not None:
             out["last_update"] = rt.last_update.to_dict()
+        if rt.last_line is not None:
+            out["last_line"] = rt.last_line.to_dict()
         if rt.last_stats is not None:
             out["converge_bytes"] = rt.last_stats.bytes
             out["converge_buckets"] = rt.last_stats.num_buckets
@@ -376,6 +444,7 @@ class HDETOneCycleLR(OneCycleLR):
                 "controller": rt.controller.state_dict(),
                 "loss_sum": float(rt.loss_sum) + rt.host_loss_sum,
                 "loss_count": rt.loss_count,
+                "steps_in_window": rt.steps_in_window,
                 "num_converges": rt.num_converges,
                 "num_rollbacks": rt.num_rollbacks,
                 "config": rt.config.fingerprint(),
@@ -397,3 +466,14 @@ class HDETOneCycleLR(OneCycleLR):
             rt.loss_count = int(hdet_state.get("loss_count", 0))
             rt.num_converges = int(hdet_state.get("num_converges", 0))
             rt.num_rollbacks = int(hdet_state.get("num_rollbacks", 0))
+        if rt is not None:
+            # Steps since the last converge; a state from before this entry existed (or a plain
+            # OneCycleLR one) converged at multiples of the period.
+            steps = (hdet_state or {}).get("steps_in_window")
+            rt.steps_in_window = (
+                int(steps) if steps is not None else max(self.last_epoch, 0) % rt.config.period
+            )
+            # The line signals start the update line at the loaded params (load the model before
+            # the scheduler, as usual); mid-window, that window's line is unknown and does not
+            # steer the controller.
+            rt.mark_window_start()

@@ -23,6 +23,8 @@ LAYERS = {
     "hdet_megatron.schedule": MATH,
     "hdet_megatron.controller": MATH,
     "hdet_megatron.line_signal": MATH,
+    "hdet_megatron.line_search": MATH,
+    "hdet_megatron.window_losses": MATH,
     "hdet_megatron.averaging": MATH,
     "hdet_megatron.sim": MATH,
     "hdet_megatron.metrics": MATH,

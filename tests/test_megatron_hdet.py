@@ -100,10 +100,11 @@ def test_tp2_pp2_dp2_both_modes():
     for r in worlds[0]:
         assert all(b > 2 * r["averaged_bytes"] for b in r["window_bytes"])
     # grad_sync="arm": the only traffic between arms is one parameter all-reduce per window
-    # (plus the 3A-float64 loss/health reduction every rank takes part in).
+    # (plus the float64 loss/health reduction every rank takes part in: A health flags and one
+    # 5-entry row per DP replica, hdet_megatron.window_losses).
     arm_results = worlds[1]
     for r in arm_results:
-        loss_bytes = 3 * 2 * 8
+        loss_bytes = (2 + 2 * 5) * 8
         assert r["window_bytes"] == [r["averaged_bytes"] + loss_bytes] * len(r["history"])
 
 
@@ -123,7 +124,7 @@ def test_tp2_dp4_arms_4_and_2():
                 twins = [o for o in results if o["arm"] == r["arm"] and o["tp_rank"] == r["tp_rank"]]
                 assert len({t["step_digests"][s]["main"] for t in twins}) == 1
     for r in worlds[2]:
-        assert r["window_bytes"] == [r["averaged_bytes"] + 3 * 2 * 8] * len(r["history"])
+        assert r["window_bytes"] == [r["averaged_bytes"] + (2 + 4 * 5) * 8] * len(r["history"])
 
 
 def test_pp2_dp4_distributed_optimizer_instances():
@@ -136,7 +137,7 @@ def test_pp2_dp4_distributed_optimizer_instances():
     for sc, results in zip(scenarios, worlds):
         check_hdet_run(sc, results)
     for r in worlds[1]:
-        assert r["window_bytes"] == [r["averaged_bytes"] + 3 * 4 * 8] * len(r["history"])
+        assert r["window_bytes"] == [r["averaged_bytes"] + (4 + 4 * 5) * 8] * len(r["history"])
 
 
 def test_neutral_hdet_is_bit_identical_and_bf16_masters():

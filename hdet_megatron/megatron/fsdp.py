@@ -42,7 +42,6 @@ HDET for Megatron-FSDP is not built and :class:`TorchFSDPHDET` refuses its chunk
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -53,6 +52,7 @@ from hdet_megatron.fsdp import (
     FSDPSetupError,
     HSDPRequired,
     local_shards,
+    reshard_all,
 )
 from hdet_megatron.megatron import cpu as _cpu  # noqa: F401  (shims before megatron.core)
 from hdet_megatron.megatron.layout import ArmLayout, HDETSetupError
@@ -241,3 +241,14 @@ class TorchFSDPHDET(HDET):
 
     def _make_grad_sync(self):
         return TorchFSDPGradSync(self.model, self.layout, self.config.grad_sync)
+
+    def _refresh_model_params(self) -> None:
+        """The main params are FSDP2's own sharded params: reshard every FSDP module, so that the
+        next forward gathers the shards as they are now (after a line point, the restore, a
+        converge or a rollback); see :func:`hdet_megatron.fsdp.reshard_all`."""
+        super()._refresh_model_params()
+        self._after_probe()
+
+    def _after_probe(self) -> None:
+        """A forward-only probe leaves modules that do not reshard after forward gathered."""
+        reshard_all([m for chunk in self.model for m in _fsdp_modules(chunk)])

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from hdet_megatron.averaging import BucketedAverager, Homer, own_storage, protect_module_state_dicts
 from hdet_megatron.config import LINE_SIGNALS, HDETConfig
 from hdet_megatron.controller import AllArmsNonFinite, ControllerUpdate
+from hdet_megatron.line_search import LineSearch, run_probe, start_probe_window
 from hdet_megatron.line_signal import fit_line, line_points, persistence
 from hdet_megatron.megatron import cpu as _cpu  # noqa: F401
 from hdet_megatron.megatron.ckpt import state as ckpt_state
@@ -37,6 +38,7 @@ from hdet_megatron.megatron.grad_sync import ArmGradSync
 from hdet_megatron.megatron.layout import ArmLayout, HDETSetupError
 from hdet_megatron.megatron.module_axes import ModuleAxes
 from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+from hdet_megatron.window_losses import WindowLosses, params_finite, reduce_window
 
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
@@ -306,25 +308,13 @@ class HDET:
 
         device = self._main_params[0].device if self._main_params else torch.device("cpu")
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        # [controller signal per arm | reporting replicas per arm | ranks with non-finite params
-        #  per arm | with signal="probe" only: window training loss per arm (else the signal) |
-        #  with signal="line" only: loss sum at each line point (at most one point per arm)]
-        slots = {"train": 3, "probe": 4}.get(config.signal, 4)
-        self._loss_reduce = torch.zeros(slots * self.layout.num_arms, dtype=torch.float64, device=device)
-        # The line signals: the window's start (the last converged main params) and a scratch
-        # copy of this arm's end point, to rebuild any point of the update line; "average" also
-        # sums the displacements theta_t - theta0 over the window (2 or 3 copies of the main
-        # params: the signals' memory cost).
-        self._line_origin: list[torch.Tensor] | None = None
-        self._line_scratch: list[torch.Tensor] | None = None
-        self._line_sum: list[torch.Tensor] | None = None
-        self._line_valid = False
+        # The line signals' engine: the window start (the last converged main params), a scratch
+        # copy of this arm's params and, for "average", the running sum of the window's
+        # displacements (2 or 3 copies of the main params: the signals' memory cost).
+        self.line_search: LineSearch | None = None
         self.steps_in_window = 0
         if config.signal in LINE_SIGNALS:
-            self._line_origin = [torch.empty_like(p) for p in self._main_params]
-            self._line_scratch = [torch.empty_like(p) for p in self._main_params]
-            if config.signal == "average":
-                self._line_sum = [torch.zeros_like(p) for p in self._main_params]
+            self.line_search = LineSearch(self._main_params, config.signal)
             self.mark_window_start()
         self.rollback = RollbackStore(self._main_params, rollback_dir) if config.rollback else None
         self.rollbacks = 0
@@ -342,6 +332,9 @@ class HDET:
     def _converge_tensors(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors converge averages across arms, from the optimizer's main params."""
         return params
+
+    def _after_probe(self) -> None:
+        """After every probe forward (FSDP2 chunks reshard what it left gathered)."""
 
     def _make_grad_sync(self):
         """The object that installs ``config.grad_sync`` on the model chunks."""
@@ -442,10 +435,8 @@ class HDET:
                     "forward_backward_func returned (per-microbatch loss outputs)"
                 )
             self._loss_sum += self._step_loss(losses)
-        if self._line_sum is not None:
-            # signal="average": sum theta_t - theta0 (small numbers: no cancellation when the
-            # average is taken); device-side, no host sync.
-            torch._foreach_add_(self._line_sum, torch._foreach_sub(self._main_params, self._line_origin))
+        if self.line_search is not None:
+            self.line_search.accumulate()  # "average": one device-side _foreach add
         self.iteration += 1
         self.steps_in_window += 1
         if self.steps_in_window >= self.config.period:
@@ -463,8 +454,10 @@ class HDET:
 
     # -- the converge ---------------------------------------------------------------------------
     def _probe_loss(self) -> torch.Tensor | None:
-        """This rank's loss on the shared probe batch (None off the last pipeline stage)."""
-        losses = self.probe_fn()
+        """This rank's probe loss (None off the last pipeline stage): ``probe_fn`` runs under
+        ``torch.no_grad()`` with the model chunks in eval mode (restored afterwards)."""
+        losses = run_probe(self.probe_fn, self.model)
+        self._after_probe()
         if not self.layout.is_last_stage:
             return None
         if not losses:
@@ -474,113 +467,78 @@ class HDET:
             )
         return self._step_loss(losses)
 
-    def _reduce_arm_losses(self, probe: torch.Tensor | None) -> tuple[list[float], list[bool], list[float]]:
-        """Per arm: the controller's signal (``probe``'s value where given, else the mean window
-        training loss), whether any of its ranks holds non-finite params, and the mean window
-        training loss."""
-        a = self.layout.num_arms
-        buf = self._loss_reduce
-        buf.zero_()
-        if self.layout.is_loss_reporter:
-            train = self._loss_sum / self.steps_in_window
-            buf[a + self.layout.arm] = 1.0
-            if self.config.signal == "probe":
-                buf[self.layout.arm] = probe
-                buf[3 * a + self.layout.arm] = train
-            else:
-                buf[self.layout.arm] = train
-                if self.config.signal in LINE_SIGNALS and probe is not None:
-                    # Every replica evaluated every point: sums over all reporters.
-                    buf[3 * a : 3 * a + probe.numel()] = probe
-        # Every rank checks its own (shard of the) main params; device-side, no extra sync.
-        finite = torch.stack([torch.isfinite(p).all() for p in self._main_params]).all()
-        buf[2 * a + self.layout.arm] = (~finite).to(buf.dtype)
-        dist.all_reduce(buf, group=self.layout.loss_group)
-        values = buf.tolist()
-        sums, counts, bad = values[:a], values[a : 2 * a], values[2 * a : 3 * a]
-        train = values[3 * a :] if self.config.signal == "probe" else sums
+    def _reduce_window(self, probe: torch.Tensor | None, num_points: int) -> WindowLosses:
+        """The window's one small all-reduce over the world (so every TP/PP rank computes the
+        same controller update): each loss reporter's (one per DP replica) mean training loss,
+        its probe loss (``signal="probe"``) or its losses at the line points, and every rank's
+        verdict on its own (shard of the) main params (device-side until the reduction)."""
+        layout = self.layout
+        reporter = layout.is_loss_reporter
+        return reduce_window(
+            num_arms=layout.num_arms,
+            num_rows=layout.dp_size,
+            arm=layout.arm,
+            row=layout.dp_rank if reporter else None,
+            group=layout.loss_group,
+            device=self._loss_sum.device,
+            train_sum=self._loss_sum / self.steps_in_window if reporter else 0.0,
+            train_count=1.0,
+            probe=probe if reporter and num_points == 0 else None,
+            points=probe if reporter and num_points else None,
+            num_points=num_points,
+            finite=params_finite(self._main_params),
+        )
 
-        def per_arm(totals):
-            return [s / c if c > 0 else math.nan for s, c in zip(totals, counts)]
-
-        if self.config.signal in LINE_SIGNALS:
-            # Point means over every reporting replica; returned in place of the signal.
-            reporters = math.fsum(counts)
-            points = [s / reporters if reporters > 0 else math.nan for s in values[3 * a :]]
-            return points, [b > 0 for b in bad], per_arm(train)
-        return per_arm(sums), [b > 0 for b in bad], per_arm(train)
-
-    @torch.no_grad()
     def mark_window_start(self) -> None:
-        """``signal="line"``: remember the main params as the start of the update line. Called
-        after every converge and by checkpoint loading (the loaded model is a converged one);
-        call it yourself if you change the main params between windows by other means."""
-        if self._line_origin is not None:
-            for dst, src in zip(self._line_origin, self._main_params):
-                dst.copy_(src)
-            if self._line_sum is not None:
-                for t in self._line_sum:
-                    t.zero_()
-            # Mid-window (a resume without converge-on-save) the params are not the window's
-            # start: that window's line is unknown, and it must not steer the controller.
-            self._line_valid = self.steps_in_window == 0
+        """``signal="line"``/``"average"``: remember the main params as the start of the update
+        line. Called after every converge and by checkpoint loading (the loaded model is a
+        converged one); call it yourself if you change the main params between windows by other
+        means. Mid-window (a resume without converge-on-save) the params are not the window's
+        start: that window's line is unknown, and it does not steer the controller."""
+        if self.line_search is not None:
+            self.line_search.mark_window_start(self.steps_in_window)
 
-    @torch.no_grad()
     def _line_probe(self, arm_values: dict) -> tuple[list[float], torch.Tensor | None]:
-        """``signal="line"``: this rank's probe loss at every point of the window's update line.
-
-        The arm's main params are ``theta0 - rho * D``; the point of multiplier ``s`` is
-        ``theta0 + (s / rho) (theta_arm - theta0)`` (``torch.lerp``). Each point is written into
-        the main params, copied to the model params (all-gathered inside the arm with DistOpt,
-        as after a converge) and probed; then the arm's own params come back bit-exactly from
-        the scratch copy. Collective inside the arm and the pipeline; the same number of calls
-        on every rank.
-        """
+        """This rank's probe loss at every point of the window's update line (the arms' distinct
+        multipliers): written into the main params, copied to the model params (all-gathered
+        inside the arm with DistOpt, as after a converge), probed, then the arm's own params are
+        restored bit-exactly (:class:`~hdet_megatron.line_search.LineSearch`). Collective inside
+        the arm and the pipeline; the same number of calls on every rank."""
         points = line_points(arm_values["lr"])
         rho = arm_values["lr"][self.layout.arm]
-        for dst, src in zip(self._line_scratch, self._main_params):
-            dst.copy_(src)
-        losses = []
-        try:
-            for s in points:
-                if self._line_sum is None:  # "line": through the arm's end point
-                    for p, p0, p_arm in zip(self._main_params, self._line_origin, self._line_scratch):
-                        torch.lerp(p0, p_arm, s / rho, out=p)
-                else:  # "average": through its window-averaged iterate theta0 + sum / steps
-                    w = s / (rho * self.steps_in_window)
-                    for p, p0, total in zip(self._main_params, self._line_origin, self._line_sum):
-                        torch.add(p0, total, alpha=w, out=p)
-                self._refresh_model_params()
-                loss = self._probe_loss()
-                if loss is not None:
-                    losses.append(loss)
-        finally:
-            for dst, src in zip(self._main_params, self._line_scratch):
-                dst.copy_(src)
-            self._refresh_model_params()
-        return points, (torch.stack(losses) if losses else None)
+        losses = self.line_search.evaluate(points, rho, self._refresh_model_params, self._probe_loss)
+        return points, losses
 
     def _end_window(self, forced: bool) -> WindowMetrics:
         self._check_param_groups_unchanged()
         arm_values = self.scheduler.arm_spread_values()
         line_pts = None
         if self.config.signal == "probe":
+            start_probe_window(self.probe_fn, self.scheduler.window)
             probe = self._probe_loss()
-        elif self.config.signal in LINE_SIGNALS and self._line_valid:
+        elif self.line_search is not None and self.line_search.valid:
+            start_probe_window(self.probe_fn, self.scheduler.window)
             line_pts, probe = self._line_probe(arm_values)
         else:
             probe = None
-        arm_losses, bad_params, train_losses = self._reduce_arm_losses(probe)  # the one host sync
+        reduced = self._reduce_window(probe, len(line_pts) if line_pts is not None else 0)  # one host sync
+        train_losses, bad_params = reduced.train, reduced.bad
         line = None
         if line_pts is not None:
             base_now, base_end = self.scheduler.horizon_lrs()
             # "average" is not corrected: the weight average already leaves the noise floor out.
             kappa = persistence(base_now, base_end) if self.config.signal == "line" else 1.0
-            line = fit_line(line_pts, arm_losses[: len(line_pts)], arm_values["lr"], kappa)
+            # Point means over the replicas whose arm is finite (one diverged arm cannot poison
+            # the points the healthy replicas evaluated; its own pseudo-loss is inf below).
+            line = fit_line(line_pts, reduced.point_losses, arm_values["lr"], kappa)
             arm_losses = list(line.pseudo_losses)
         elif self.config.signal in LINE_SIGNALS:
             # No line this window (see mark_window_start): equal losses, so nothing moves.
             arm_losses = [0.0 if math.isfinite(x) else x for x in train_losses]
+        elif self.config.signal == "probe":
+            arm_losses = reduced.probe
+        else:
+            arm_losses = train_losses
         # An arm whose parameters blew up is as bad as an infinite loss, whatever it reported.
         arm_losses = [math.inf if bad else loss for loss, bad in zip(arm_losses, bad_params)]
         excluded = [a for a, loss in enumerate(arm_losses) if not math.isfinite(loss)]

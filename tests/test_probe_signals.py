@@ -1,0 +1,199 @@
+"""Probe signals (``probe``, ``line``, ``average``) in ``HDETOneCycleLR``: DDP and FSDP2/HSDP on
+4 gloo ranks, through the shared line-search engine (hdet_megatron.line_search)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from hdet_megatron.config import Axis, HDETConfig
+from hdet_megatron.line_search import BatchProbe, eval_mode, probe_scalar
+from hdet_megatron.torch_scheduler import HDETOneCycleLR
+from tests.harness import run_world
+from tests.probe_worker import ProbeRun, world_runs
+
+
+def _check_run(results: list[dict], spec: ProbeRun) -> None:
+    """The must-shows of one probed run (all ranks' records)."""
+    windows = spec.steps // spec.period
+    for r in results:
+        # Every probe left the params exactly as training had left them; the global RNG and the
+        # model's train mode survived every step (the probes ran in eval mode: no dropout RNG).
+        assert r["restored"] == [True] * windows, r["restored"]
+        assert r["rng_kept"] and r["mode_kept"]
+        # No host sync on non-converge steps; the converge makes its one reduction's.
+        assert [n for conv, n in r["syncs"] if not conv] == [0] * (spec.steps - windows)
+        assert [conv for conv, _ in r["syncs"]].count(True) == windows
+    # Identical controller decisions, updates and line fits on every rank.
+    ref = [{k: v for k, v in h.items()} for h in results[0]["history"]]
+    for r in results[1:]:
+        assert r["history"] == ref
+    # After each converge every rank holds the same model.
+    for w in range(windows):
+        assert len({r["history"][w]["full_digest"] for r in results}) == 1
+
+
+def _check_line_means(results: list[dict], points_per_window: int) -> None:
+    """The line's point losses are the mean of what every rank's probe returned, in order."""
+    for w, h in enumerate(results[0]["history"]):
+        line = h["line"]
+        assert line is not None and len(line["points"]) == points_per_window
+        for k, value in enumerate(line["losses"]):
+            local = [r["probed"][points_per_window * w + k] for r in results]
+            assert math.isclose(value, sum(local) / len(local), rel_tol=1e-6)
+
+
+def _same_training(a: list[dict], b: list[dict]) -> None:
+    for ra, rb in zip(a, b):
+        assert ra["digests"] == rb["digests"] and ra["lrs"] == rb["lrs"]
+
+
+def _resumed_equal(full: list[dict], resumed: list[dict], after: int) -> None:
+    for rf, rr in zip(full, resumed):
+        assert rr["digests"] == {s: d for s, d in rf["digests"].items() if s > after}
+        assert rr["lrs"] == {s: v for s, v in rf["lrs"].items() if s > after}
+        assert rr["history"] == [h for h in rf["history"] if h["step"] > after]
+
+
+@pytest.mark.slow
+def test_probe_signals_ddp_4_ranks():
+    avg = ProbeRun(signal="average", save_at=6)
+    probe = ProbeRun(signal="probe", save_at=6)
+    specs = [
+        avg,
+        replace(avg, save_at=None, resume="previous"),
+        probe,
+        replace(probe, save_at=None, resume="previous"),
+        ProbeRun(signal="line"),
+        # Probing changes nothing about training: with the controller off, bit-identical to
+        # the train signal.
+        ProbeRun(signal="average", auto=False),
+        ProbeRun(signal="train", auto=False),
+        # Issue #29 bug 1: arm 1's params turn NaN at the end of window 2; only arm 1 is left
+        # out, the line comes from the healthy replicas, nothing rolls back.
+        ProbeRun(signal="average", nan_at=6, steps=9),
+        ProbeRun(signal="line", nan_at=6, steps=9, config={"rollback": True}),
+    ]
+    runs = run_world(4, world_runs, specs, timeout=300)
+    res = [[runs[r][i] for r in range(4)] for i in range(len(specs))]
+    avg_r, avg_resumed, probe_r, probe_resumed, line_r, off, train_off, nan_avg, nan_line = res
+    for spec, results in ((avg, avg_r), (probe, probe_r), (specs[4], line_r)):
+        _check_run(results, spec)
+    _check_line_means(avg_r, 4)
+    _check_line_means(line_r, 4)
+    # "probe": one shared batch; each arm's signal is the mean of its ranks' probes (one each).
+    for w, h in enumerate(probe_r[0]["history"]):
+        assert h["line"] is None
+        assert h["update"]["arm_losses"] == [probe_r[a]["probed"][w] for a in range(4)]
+    for results in (avg_r, probe_r, line_r):
+        assert results[0]["history"][-1]["scales"]["lr"] != 1.0  # it moved
+    # "line" is corrected by the persistence (< 1 before the last window), "average" is not.
+    assert [h["line"]["persistence"] for h in avg_r[0]["history"]] == [1.0] * 4
+    assert line_r[0]["history"][0]["line"]["persistence"] < 1.0
+    # Checkpoint at step 6 (a window's end), resume in fresh objects: bit-identical after.
+    _resumed_equal(avg_r, avg_resumed, 6)
+    _resumed_equal(probe_r, probe_resumed, 6)
+    _same_training(off, train_off)
+    assert len(off[0]["probed"]) == 4 * 4  # the probes did run
+    for results in (nan_avg, nan_line):
+        last = results[0]["history"][-1]
+        assert last["step"] == 6 or results[0]["history"][1]["step"] == 6
+        window2 = next(h for h in results[0]["history"] if h["step"] == 6)
+        assert window2["update"]["excluded"] == [1]
+        assert all(isinstance(x, float) and math.isfinite(x) for x in window2["line"]["losses"])
+        finite = [x for a, x in enumerate(window2["update"]["arm_losses"]) if a != 1]
+        assert all(isinstance(x, float) and math.isfinite(x) for x in finite)
+        assert all(r["num_rollbacks"] == 0 for r in results)
+        assert len({r["history"][-1]["full_digest"] for r in results}) == 1
+        assert all(h["update"]["excluded"] == [] for h in results[0]["history"] if h["step"] != 6)
+
+
+@pytest.mark.slow
+def test_probe_signals_fsdp2_hsdp(tmp_path):
+    """FSDP2/HSDP, both ``reshard_after_forward`` settings (issue #29 bug 4: a forward-only
+    probe leaves a module that does not reshard after forward unsharded, and a later forward
+    would compute with the stale gathered params), checkpoint and resume through DCP, and a
+    converge bucket that lost its params' storage (issue #29: ``_check_homes`` under FSDP2)."""
+    specs = []
+    for reshard in (True, False):
+        avg = ProbeRun(signal="average", fsdp=True, replicas=4, reshard_after_forward=reshard)
+        specs += [
+            replace(avg, save_at=6, save_dir=str(tmp_path / f"avg-{reshard}")),
+            replace(avg, resume="previous", save_dir=str(tmp_path / f"avg-{reshard}")),
+            ProbeRun(signal="probe", fsdp=True, replicas=2, reshard_after_forward=reshard),
+            replace(avg, auto=False),
+            ProbeRun(signal="train", fsdp=True, replicas=4, reshard_after_forward=reshard, auto=False),
+        ]
+    specs.append(ProbeRun(signal="train", fsdp=True, replicas=2, rehome_at=4))
+    runs = run_world(4, world_runs, specs, timeout=400)
+    res = [[runs[r][i] for r in range(4)] for i in range(len(specs))]
+    by_setting = [res[:5], res[5:10]]
+    for avg_r, resumed, probe_r, off, train_off in by_setting:
+        _check_run(avg_r, specs[0])
+        _check_run(probe_r, specs[2])
+        _check_line_means(avg_r, 4)
+        # 4 distinct line points: each probe saw its own point (not stale gathered params).
+        for h in avg_r[0]["history"]:
+            assert len(set(h["line"]["losses"])) == 4
+        _resumed_equal(avg_r, resumed, 6)
+        _same_training(off, train_off)
+    # Both reshard settings train, probe and decide bit-identically.
+    for a, b in zip(by_setting[0], by_setting[1]):
+        for ra, rb in zip(a, b):
+            assert ra["digests"] == rb["digests"] and ra["history"] == rb["history"]
+            assert ra["probed"] == rb["probed"]
+    # Storage replaced mid-window (module._apply): the converge still reaches FSDP's params.
+    rehomed = res[10]
+    for w in range(len(rehomed[0]["history"])):
+        assert len({r["history"][w]["full_digest"] for r in rehomed}) == 1
+
+
+# ----------------------------------------------------------------------------- single process
+
+
+def test_eval_mode_restores_each_modules_own_mode():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5), torch.nn.Dropout(0.5))
+    model.train()
+    model[2].eval()  # mixed modes
+    with eval_mode([model]):
+        assert not any(m.training for m in model.modules())
+    assert [m.training for m in model.modules()] == [True, True, True, False]
+
+
+def test_probe_scalar_and_errors():
+    assert probe_scalar(1.5, torch.device("cpu")).dtype == torch.float64
+    assert probe_scalar(torch.tensor([2.0]), torch.device("cpu")).shape == ()
+    with pytest.raises(ValueError, match="scalar"):
+        probe_scalar(torch.ones(3), torch.device("cpu"))
+    with pytest.raises(TypeError, match="scalar tensor or a float"):
+        probe_scalar("x", torch.device("cpu"))
+
+
+def test_batch_probe_one_batch_per_window():
+    seen = []
+    probe = BatchProbe(lambda b: seen.append(b) or 0.0, lambda w: f"batch{w}")
+    probe.new_window(3)
+    probe(), probe()
+    probe.new_window(4)
+    probe()
+    assert seen == ["batch3", "batch3", "batch4"]
+    it = BatchProbe(lambda b: b, iter([10, 20]))
+    it.new_window(0)
+    assert (it(), it()) == (10, 10)
+    it.new_window(1)
+    assert it() == 20
+
+
+def test_probe_signals_need_probe_fn_and_model():
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="needs probe_fn"):
+        HDETOneCycleLR(opt, 0.1, total_steps=4, hdet=HDETConfig(signal="probe"), model=model)
+    with pytest.raises(ValueError, match="needs model="):
+        HDETOneCycleLR(opt, 0.1, total_steps=4, hdet=HDETConfig(signal="probe"), probe_fn=lambda: 0.0)
+    line = HDETConfig(signal="average", axes=(Axis("lr", 0.3),), rule="newton")
+    with pytest.raises(ValueError, match="needs probe_fn"):
+        HDETOneCycleLR(opt, 0.1, total_steps=4, hdet=line, model=model)
