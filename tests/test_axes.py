@@ -10,7 +10,7 @@ import pytest
 from hdet_megatron.args import add_hdet_args, hdet_config_from_args
 from hdet_megatron.config import Axis, HDETConfig, HDETConfigError
 from hdet_megatron.controller import AutoController
-from hdet_megatron.spread import arm_spread, window_permutation
+from hdet_megatron.spread import arm_spread, linear_multipliers, window_permutation
 
 
 def test_two_axes_have_independent_permutations():
@@ -21,7 +21,10 @@ def test_two_axes_have_independent_permutations():
         a = window_permutation(config.seed, w, "lr", n)
         b = window_permutation(config.seed, w, "weight_decay", n)
         same += a == b
-        assert arm_spread(config, n, w) == arm_spread(config, n, w)  # deterministic
+        # Each axis' arm values are its own slots under its own permutation (arm r: slot a[r]).
+        spread = arm_spread(config, n, w)
+        assert spread["lr"] == [linear_multipliers(n, 0.2)[p] for p in a]
+        assert spread["weight_decay"] == [linear_multipliers(n, 0.5)[p] for p in b]
     assert same == 0  # 1/8! chance per window
 
 

@@ -14,7 +14,7 @@ from tests.harness import WorldFailed, run_world
 def _sum_ranks(rank, world_size):
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
-    return float(t)
+    return rank, dist.get_rank(), float(t)  # the rank it was given and the one gloo assigned
 
 
 def _rank1_raises(rank, world_size):
@@ -31,7 +31,7 @@ def _rank0_hangs(rank, world_size):
 
 
 def test_results_in_rank_order():
-    assert run_world(3, _sum_ranks) == [3.0, 3.0, 3.0]
+    assert run_world(3, _sum_ranks) == [(0, 0, 3.0), (1, 1, 3.0), (2, 2, 3.0)]
 
 
 def test_failure_reports_traceback_and_rank():

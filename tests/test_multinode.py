@@ -524,10 +524,11 @@ def _slurm_missing() -> str:
     if missing:
         return (
             f"Slurm is not installed ({', '.join(missing)} missing; Debian/Ubuntu: "
-            "apt-get install slurm-wlm); the sbatch environment is covered by the stub test"
+            "apt-get install slurm-wlm); a manual check (docs/testing.md), the sbatch environment "
+            "is covered by the stub test"
         )
     if os.geteuid() != 0:
-        return "a single-host Slurm needs root here (slurmd launches the job's tasks)"
+        return "a single-host Slurm needs root here (slurmd launches the job's tasks); see docs/testing.md"
     return ""
 
 

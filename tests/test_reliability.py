@@ -45,6 +45,8 @@ def _diverge_world(rank, world_size, case, rollback_dir=None):
         arm = hdet.layout.arm
         spread = scheduler.arm_spread_values()["lr"]
         victim = max(range(2), key=lambda a: spread[a])  # the high-LR arm blows up
+        if case == "raise":
+            victim = 1 - victim  # the other one: the error must name this arm, not just "an arm"
         out["victim"], out["arm"] = victim, arm
 
         def poison():
@@ -59,7 +61,7 @@ def _diverge_world(rank, world_size, case, rollback_dir=None):
         for step in range(12):
             inject = (
                 (case == "arm_mid_window" and step == 1 and arm == victim)
-                or (case == "raise" and step == 1 and arm == victim)
+                or (case == "raise" and step == 5 and arm == victim)  # in window 1
                 or (case == "global_window_end" and step == 3 and arm == victim)
                 or (case.startswith("rollback") and step == 6)
             )
@@ -70,15 +72,28 @@ def _diverge_world(rank, world_size, case, rollback_dir=None):
             if inject and case == "global_window_end":
                 poison()  # after the step: params blown up, this window's losses were finite
             out["losses"].append(float(torch.stack([o["lm loss"] for o in losses]).mean()))
+            before = (
+                digest(main_params(optimizer)),
+                digest(p for chunk in model for p in chunk.parameters()),
+                scheduler.controller.state_dict(),
+                scheduler.window,
+                hdet.steps_in_window,
+            )
             try:
                 metrics = hdet.step(losses)
             except (NonFiniteArm, AllArmsNonFinite) as exc:
                 out["error"] = f"{type(exc).__name__}: {exc}"
-                out["params_untouched"] = (
-                    not all(torch.isfinite(p).all() for p in main_params(optimizer))
-                    if arm == victim
-                    else True
+                # Nothing changed: main and model params (the victim's NaNs too: not averaged
+                # away), the controller, the window (hdet.step counted this step, nothing else).
+                after = (
+                    digest(main_params(optimizer)),
+                    digest(p for chunk in model for p in chunk.parameters()),
+                    scheduler.controller.state_dict(),
+                    scheduler.window,
+                    hdet.steps_in_window - 1,
                 )
+                out["untouched"] = after == before
+                out["finite"] = all(bool(torch.isfinite(p).all()) for p in main_params(optimizer))
                 return out
             if metrics is not None:
                 finite = all(bool(torch.isfinite(p).all()) for p in main_params(optimizer))
@@ -105,6 +120,7 @@ def test_diverging_arm_is_excluded_and_training_continues(case):
     results = run_world(4, _diverge_world, case, timeout=300)
     for r in results:
         events = r["events"]
+        assert [e["step"] for e in events] == [3, 7, 11]  # every converge of the 12 steps
         assert events[0]["excluded"] == [r["victim"]]
         assert events[0]["finite"] and events[0]["cross_identical"]
         assert events[0]["scale"] < 1.0  # moved away from the arm that blew up
@@ -114,9 +130,16 @@ def test_diverging_arm_is_excluded_and_training_continues(case):
 
 def test_nonfinite_raise_stops_before_anything_changes():
     results = run_world(4, _diverge_world, "raise", timeout=300)
+    assert len({r["victim"] for r in results}) == 1
     for r in results:
-        assert r["error"].startswith("NonFiniteArm") and f"{r['victim']}" in r["error"]
-        assert len(r["losses"]) == 4  # stopped at the first converge
+        # The arm that diverged in window 1, by number; window and step of the failing converge.
+        assert r["error"].startswith(
+            f"NonFiniteArm: window 1 (step 8): arm(s) [{r['victim']}] have non-finite"
+        )
+        assert [e["step"] for e in r["events"]] == [3]  # window 0 converged normally
+        assert len(r["losses"]) == 8  # stopped at the converge of window 1
+        assert r["untouched"]  # params, controller and window as before the failing converge
+        assert r["finite"] == (r["arm"] != r["victim"])  # the victim's NaNs were not averaged away
 
 
 def test_all_arms_nonfinite_raise_or_roll_back(tmp_path):
@@ -131,13 +154,20 @@ def test_all_arms_nonfinite_raise_or_roll_back(tmp_path):
         assert ev[1]["scale"] == pytest.approx(ev[0]["scale"] * 0.5)
         assert all(math.isfinite(x) for x in r["losses"][8:])
     disk = run_world(4, _diverge_world, "rollback_disk", str(tmp_path), timeout=300)
-    assert [e["rolled_back"] for e in disk[0]["events"]] == [False, True, False]
+    for r, memory in zip(disk, results):
+        ev = r["events"]
+        assert [e["rolled_back"] for e in ev] == [False, True, False]
+        # Restored from the files: the params of the last converge, finite, the scale halved, and
+        # the same run as the in-memory rollback from there on.
+        assert ev[1]["restored_previous"] and ev[1]["finite"] and ev[2]["finite"]
+        assert ev[1]["scale"] == pytest.approx(ev[0]["scale"] * 0.5)
+        assert [repr(x) for x in r["losses"]] == [repr(x) for x in memory["losses"]]  # (NaN steps too)
+        assert ev == memory["events"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"hdet-rollback-rank{i}.pt" for i in range(4)]
 
 
 def _guards_world(rank, world_size):
     """fp16 with Megatron's loss scaler: one arm skips a step; weight-hash check vs converge."""
-    import torch
 
     from hdet_megatron.config import Axis, HDETConfig
     from hdet_megatron.megatron import toy
@@ -285,7 +315,20 @@ def test_crash_fails_fast_and_restart_matches_uninterrupted(tmp_path):
     with pytest.raises(WorldFailed) as info:
         run_world(4, _crash_world, str(tmp_path / "crash"), "crash", timeout=300)
     assert time.monotonic() - begin < 150  # the survivors fail fast, no hang to the timeout
-    assert "rank 2 died (exit code -9)" in str(info.value)
+    message = str(info.value)
+    assert "rank 2 died (exit code -9)" in message
+    # Each survivor stopped on its own, with gloo's error about the lost peer, before the harness
+    # would have killed it (a survivor that hangs is reported as "did not finish" instead).
+    assert "did not finish" not in message
+    parts = message.split("--- rank ")[1:]
+    survivors = {int(part.split(" ", 1)[0]): part for part in parts if not part.startswith("2 ")}
+    assert sorted(survivors) == [0, 1, 3]
+    for rank, text in survivors.items():
+        # gloo: "Connection closed by peer" or "Read error ...: Connection reset by peer".
+        assert "Traceback" in text and "gloo/transport/tcp" in text and "by peer" in text, (
+            rank,
+            text[-1500:],
+        )
     restarted = run_world(4, _crash_world, str(tmp_path / "crash"), "restart", timeout=300)
     for ref, new in zip(reference, restarted):
         assert new["start"] == 4

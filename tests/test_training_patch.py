@@ -257,10 +257,27 @@ def test_patched_modules_import_and_parse_hdet_args(overlay):
     }
 
 
+@pytest.mark.slow
 def test_example_refuses_unpatched_megatron_training():
-    """The example names the fix when megatron.training lacks the patch (the shared venv's)."""
-    text = EXAMPLE.read_text()
-    assert "def require_patched" in text and "patches/apply.sh" in text
+    """The example, run against the installed (unpatched) megatron.training, stops at once with
+    exit code 1 and one line naming the fix, before Megatron parses a flag."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "WORLD_SIZE": "1", "RANK": "0"}
+    env.pop("PYTHONPATH", None)  # the shared environment's megatron.training, as installed
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--num-layers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if "megatron.training" in ln]
+    assert lines == [
+        "megatron.training is not patched for HDET: run `bash patches/apply.sh` (megatron-core "
+        "0.19.2), or `--python <venv>/bin/python` to pick the environment"
+    ]
+    assert "Traceback" not in proc.stderr and "building GPT model" not in proc.stdout
 
 
 # -- end to end: the patched loop under torchrun --------------------------------------------------

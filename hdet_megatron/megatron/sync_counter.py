@@ -1,47 +1,118 @@
 """Count host-device synchronisations made *from hdet_megatron code* (for tests and benchmarks).
 
-On a GPU, ``Tensor.item()``, ``.cpu()``, ``.tolist()``, ``float(tensor)``/``bool(tensor)``
-and ``torch.cuda.synchronize()`` block the host until the device catches up. HDET promises none
-on non-converge steps. :class:`HostSyncCounter` wraps those entry points and counts the calls
-whose immediate Python caller is a file inside the ``hdet_megatron`` package (megatron's own
-syncs are not ours to count).
+On a GPU these block the host until the device catches up; HDET promises none on non-converge
+steps. :class:`HostSyncCounter` wraps their Python entry points while it is active:
+
+* tensor methods that hand a value to the host: ``.item()``, ``.tolist()``, ``.numpy()``,
+  ``.cpu()``, ``.to(<a CPU device>)`` (counted whatever the source device: on a GPU it is a
+  copy to the host), ``float()``/``int()``/``bool()``/``complex()``/``operator.index`` of a
+  tensor, ``numpy.asarray(tensor)`` (``__array__``), and ``.nonzero()`` (its size is data);
+* functions that return host values or data-dependent shapes: ``torch.equal``,
+  ``torch.allclose``, ``torch.is_nonzero``, ``torch.nonzero``, ``torch.masked_select``,
+  ``torch.unique``;
+* ``torch.distributed``'s object collectives (``all_gather_object``, ``gather_object``,
+  ``broadcast_object_list``, ``scatter_object_list``, ``send_object_list``,
+  ``recv_object_list``: pickled through host memory) and barriers;
+* ``torch.cuda.synchronize`` and the streams' and events' ``synchronize``.
+
+A call counts when the nearest calling frame outside torch is a file of the ``hdet_megatron``
+package (so a sync inside a torch helper that our code called is ours, a sync in megatron's own
+code is not), and only the outermost wrapped call counts (``all_gather_object`` calls ``.item``
+inside: one sync, counted once). Entry points not listed here (boolean-mask indexing, C++
+extensions) are not seen; on a GPU, ``torch.cuda.set_sync_debug_mode("warn")`` sees every sync.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 
 import hdet_megatron
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(hdet_megatron.__file__))
-_TENSOR_METHODS = ("item", "cpu", "tolist", "__float__", "__bool__", "__int__")
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_THIS_FILE = os.path.abspath(__file__)
+_TENSOR_METHODS = (
+    "item",
+    "cpu",
+    "tolist",
+    "numpy",
+    "nonzero",
+    "__float__",
+    "__bool__",
+    "__int__",
+    "__index__",
+    "__complex__",
+    "__array__",
+)
+_TORCH_FUNCTIONS = ("equal", "allclose", "is_nonzero", "nonzero", "masked_select", "unique")
+_DIST_FUNCTIONS = (
+    "all_gather_object",
+    "gather_object",
+    "broadcast_object_list",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+    "barrier",
+    "monitored_barrier",
+)
+
+
+def _to_host(args, kwargs) -> bool:
+    """Whether ``Tensor.to(*args, **kwargs)`` targets the CPU (a device, a device string, or a
+    tensor whose device it copies)."""
+    targets = [kwargs.get("device")] + list(args[:1])
+    for target in targets:
+        if isinstance(target, torch.Tensor):
+            target = target.device
+        if isinstance(target, (str, torch.device)):
+            try:
+                return torch.device(target).type == "cpu"
+            except (RuntimeError, TypeError):
+                return False
+    return False
 
 
 class HostSyncCounter:
-    """Context manager; ``counts`` maps ``"Tensor.item"`` etc. to calls made from hdet_megatron."""
+    """Context manager; ``counts`` maps ``"Tensor.item"``, ``"torch.equal"``,
+    ``"dist.all_gather_object"`` ... to the calls made from hdet_megatron."""
 
-    def __init__(self, package_dir: str = _PACKAGE_DIR, exclude: tuple[str, ...] = ("sync_counter.py",)):
+    def __init__(self, package_dir: str = _PACKAGE_DIR, exclude: tuple[str, ...] = (_THIS_FILE,)):
         self.package_dir = package_dir
         self.exclude = exclude
         self.counts: Counter = Counter()
         self._saved: list = []
+        self._local = threading.local()
 
     def _from_package(self) -> bool:
-        frame = sys._getframe(2)  # caller of the wrapped function
+        frame = sys._getframe(2)  # the caller of the wrapped function
+        while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+            frame = frame.f_back  # a torch helper: whoever called it decides
+        if frame is None:
+            return False
         path = frame.f_code.co_filename
         return path.startswith(self.package_dir) and not path.endswith(self.exclude)
 
-    def _wrap(self, owner, name: str, label: str) -> None:
-        original = getattr(owner, name)
+    def _wrap(self, owner, name: str, label: str, when=None) -> None:
+        original = getattr(owner, name, None)
+        if original is None:
+            return
+        local = self._local
 
         def wrapped(*args, **kwargs):
-            if self._from_package():
+            depth = getattr(local, "depth", 0)
+            if depth == 0 and (when is None or when(args, kwargs)) and self._from_package():
                 self.counts[label] += 1
-            return original(*args, **kwargs)
+            local.depth = depth + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                local.depth = depth
 
         self._saved.append((owner, name, original))
         setattr(owner, name, wrapped)
@@ -49,7 +120,14 @@ class HostSyncCounter:
     def __enter__(self) -> HostSyncCounter:
         for name in _TENSOR_METHODS:
             self._wrap(torch.Tensor, name, f"Tensor.{name}")
+        self._wrap(torch.Tensor, "to", "Tensor.to(cpu)", when=lambda a, k: _to_host(a[1:], k))
+        for name in _TORCH_FUNCTIONS:
+            self._wrap(torch, name, f"torch.{name}")
+        for name in _DIST_FUNCTIONS:
+            self._wrap(dist, name, f"dist.{name}")
         self._wrap(torch.cuda, "synchronize", "cuda.synchronize")
+        self._wrap(torch.cuda.Stream, "synchronize", "cuda.Stream.synchronize")
+        self._wrap(torch.cuda.Event, "synchronize", "cuda.Event.synchronize")
         return self
 
     def __exit__(self, *exc) -> None:
