@@ -26,7 +26,12 @@ def test_tensor_and_torch_syncs_are_counted():
     one = torch.tensor(3)
     with HostSyncCounter(package_dir=HERE) as counter:
         t[0].item(), t.tolist(), t.numpy(), t.cpu()
-        t.to("cpu"), t.to(torch.device("cpu")), t.to(device="cpu"), t.to(one)  # to the host
+        t.to("cpu"), t.to(device="cpu"), t.to("cpu", torch.float64)  # spelled: a host copy
+        try:
+            torch.empty(2, device="meta").to(torch.device("cpu"))  # off the CPU, to it
+        except NotImplementedError:  # (a meta tensor has no data to copy; the call counts)
+            pass
+        t.to(torch.device("cpu")), t.to(one), t.to(one.device)  # CPU to CPU: no copy
         t.to(torch.float64), t.to(dtype=torch.float16)  # not a transfer
         float(t[0]), int(t[0]), bool(t[0]), complex(t[0]), operator.index(one)
         numpy.asarray(t)  # __array__ (its inner .numpy() is the same sync)

@@ -4,9 +4,10 @@ On a GPU these block the host until the device catches up; HDET promises none on
 steps. :class:`HostSyncCounter` wraps their Python entry points while it is active:
 
 * tensor methods that hand a value to the host: ``.item()``, ``.tolist()``, ``.numpy()``,
-  ``.cpu()``, ``.to(<a CPU device>)`` (counted whatever the source device: on a GPU it is a
-  copy to the host), ``float()``/``int()``/``bool()``/``complex()``/``operator.index`` of a
-  tensor, ``numpy.asarray(tensor)`` (``__array__``), and ``.nonzero()`` (its size is data);
+  ``.cpu()``, ``.to(...)`` of a device tensor to the CPU or to a target spelled ``"cpu"``
+  (``.to(other.device)`` of a CPU tensor is no copy), ``float()``/``int()``/``bool()``/
+  ``complex()``/``operator.index`` of a tensor, ``numpy.asarray(tensor)`` (``__array__``), and
+  ``.nonzero()`` (its size is data);
 * functions that return host values or data-dependent shapes: ``torch.equal``,
   ``torch.allclose``, ``torch.is_nonzero``, ``torch.nonzero``, ``torch.masked_select``,
   ``torch.unique``;
@@ -64,17 +65,20 @@ _DIST_FUNCTIONS = (
 
 
 def _to_host(args, kwargs) -> bool:
-    """Whether ``Tensor.to(*args, **kwargs)`` targets the CPU (a device, a device string, or a
-    tensor whose device it copies)."""
-    targets = [kwargs.get("device")] + list(args[:1])
-    for target in targets:
+    """Whether ``tensor.to(*rest, **kwargs)`` (``args = (tensor, *rest)``) copies to the host: a
+    device tensor to a CPU target, or a target spelled ``"cpu"`` (a copy to the host wherever the
+    tensor lives on a GPU machine). ``.to(other.device)`` of a CPU tensor is not one."""
+    tensor, rest = args[0], args[1:]
+    for target in [kwargs.get("device"), *rest[:1]]:
         if isinstance(target, torch.Tensor):
             target = target.device
-        if isinstance(target, (str, torch.device)):
+        if isinstance(target, str):
             try:
                 return torch.device(target).type == "cpu"
-            except (RuntimeError, TypeError):
+            except RuntimeError:
                 return False
+        if isinstance(target, torch.device):
+            return target.type == "cpu" and tensor.device.type != "cpu"
     return False
 
 
@@ -120,7 +124,7 @@ class HostSyncCounter:
     def __enter__(self) -> HostSyncCounter:
         for name in _TENSOR_METHODS:
             self._wrap(torch.Tensor, name, f"Tensor.{name}")
-        self._wrap(torch.Tensor, "to", "Tensor.to(cpu)", when=lambda a, k: _to_host(a[1:], k))
+        self._wrap(torch.Tensor, "to", "Tensor.to(cpu)", when=_to_host)
         for name in _TORCH_FUNCTIONS:
             self._wrap(torch, name, f"torch.{name}")
         for name in _DIST_FUNCTIONS:
