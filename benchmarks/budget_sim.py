@@ -48,7 +48,8 @@ def main() -> None:
     args = p.parse_args()
     rows = []
     print(
-        f"{'N':>5} {'arms':>5} {'per arm':>7} {'signal':>8} {'start':>6} {'gap':>8} {'end lr/best':>11} {'s':>5}",
+        f"{'N':>5} {'arms':>5} {'per arm':>7} {'signal':>8} {'start':>6} {'gap':>8} "
+        f"{'end lr/best':>11} {'s':>5}",
         flush=True,
     )
     for n in args.replicas:

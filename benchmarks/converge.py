@@ -184,7 +184,7 @@ def main() -> None:
     cpu: dict[str, list[float]] = {k: [] for k in methods}
     mem: dict[str, int] = {k: 0 for k in methods}
     names = list(methods)
-    for name, fn in methods.items():  # warm-up (first-touch of buffers, gloo pairs)
+    for fn in methods.values():  # warm-up (first-touch of buffers, gloo pairs)
         fn()
     for rep in range(args.reps):
         # Rotate the order every round: no method always follows the same neighbour.
@@ -214,7 +214,7 @@ def main() -> None:
         for name in methods:
             med = statistics.median(times[name])
             # Paired: each round's time over the same round's flat_limit time, then the median.
-            paired = statistics.median(a / b for a, b in zip(times[name], times["flat_limit"]))
+            paired = statistics.median(a / b for a, b in zip(times[name], times["flat_limit"], strict=True))
             rows.append(
                 {
                     "method": name,

@@ -190,7 +190,9 @@ def run_size(gb: float, args, device, n: int) -> dict:
         "copy_limit_s": copy_limit,
         "rows": rows,
     }
-    del tensors, flat, copy_src, averagers, methods
+    # Drop the buffers before empty_cache (rebinding, not del: the closures in ``methods`` share
+    # these variables' cells).
+    tensors = flat = copy_src = averagers = methods = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result

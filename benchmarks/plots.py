@@ -167,7 +167,7 @@ def plot_quality(data: dict, out: str) -> list[str]:
         sweep = [r for r in runs if r["group"] == "sweep" and r["seed"] == seed]
         if sweep:
             best[seed] = min(sweep, key=lambda r: r["valid_loss"])["lr"]
-    for ax, (start, title) in zip(axes, starts):
+    for ax, (start, title) in zip(axes, starts, strict=True):
         for i, group in enumerate(g for g in QUALITY_GROUPS if g.endswith(start)):
             for r in (r for r in runs if r["group"] == group and r["lr_trajectory"]):
                 its = [0] + [t[0] for t in r["lr_trajectory"]]

@@ -452,8 +452,8 @@ def signal_to_noise(out: str, names: list[str]) -> dict:
                 ys.extend(v - ml for v in losses)
     if len(xs) < 3:
         return {}
-    slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
-    resid = [y - slope * x for x, y in zip(xs, ys)]
+    slope = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    resid = [y - slope * x for x, y in zip(xs, ys, strict=True)]
     noise = math.sqrt(sum(r * r for r in resid) / (len(resid) - 1))
     spread = max(xs) - min(xs)
     return {

@@ -41,13 +41,13 @@ def snr(blocks: list[list[tuple[list[float], list[float]]]]) -> dict:
         per_mult: dict[float, list[float]] = {}
         for mults, losses in block:
             mm, ml = sum(mults) / len(mults), sum(losses) / len(losses)
-            for m, v in zip(mults, losses):
+            for m, v in zip(mults, losses, strict=True):
                 per_mult.setdefault(round(m - mm, 9), []).append(v - ml)
         for m, vs in per_mult.items():
             xs.append(m)
             ys.append(sum(vs) / len(vs))
-    slope = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
-    resid = [y - slope * x for x, y in zip(xs, ys)]
+    slope = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    resid = [y - slope * x for x, y in zip(xs, ys, strict=True)]
     noise = math.sqrt(sum(r * r for r in resid) / (len(resid) - 1))
     spread = max(xs) - min(xs)
     return {"points": len(xs), "signal": slope * spread, "noise": noise, "snr": abs(slope) * spread / noise}

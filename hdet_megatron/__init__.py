@@ -36,12 +36,20 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only  # noqa: F401 below
-    from hdet_megatron.averaging import AverageStats, BucketedAverager
-    from hdet_megatron.config import Axis, HDETConfig, HDETConfigError
-    from hdet_megatron.controller import AllArmsNonFinite, AutoController, ControllerUpdate, NonFiniteArm
-    from hdet_megatron.spread import arm_spread
-    from hdet_megatron.torch_scheduler import HDETOneCycleLR, MissingLoss
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    # ``X as X``: an explicit re-export (PEP 484), so linters and mypy see the names as public.
+    from hdet_megatron.averaging import AverageStats as AverageStats
+    from hdet_megatron.averaging import BucketedAverager as BucketedAverager
+    from hdet_megatron.config import Axis as Axis
+    from hdet_megatron.config import HDETConfig as HDETConfig
+    from hdet_megatron.config import HDETConfigError as HDETConfigError
+    from hdet_megatron.controller import AllArmsNonFinite as AllArmsNonFinite
+    from hdet_megatron.controller import AutoController as AutoController
+    from hdet_megatron.controller import ControllerUpdate as ControllerUpdate
+    from hdet_megatron.controller import NonFiniteArm as NonFiniteArm
+    from hdet_megatron.spread import arm_spread as arm_spread
+    from hdet_megatron.torch_scheduler import HDETOneCycleLR as HDETOneCycleLR
+    from hdet_megatron.torch_scheduler import MissingLoss as MissingLoss
 
 
 def __getattr__(name: str) -> Any:

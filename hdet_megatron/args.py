@@ -23,7 +23,6 @@ import argparse
 import re
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Optional, Union
 
 from hdet_megatron.config import Axis, HDETConfig, HDETConfigError, parse_axis
 from hdet_megatron.preflight import integer, number

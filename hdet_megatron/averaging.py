@@ -375,7 +375,7 @@ class BucketedAverager:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
         homed = [bool(v) for v in ok.tolist()]
         skipped: dict[str, list[int]] = {}
-        for i, (r, h) in enumerate(zip(reasons, homed)):
+        for i, (r, h) in enumerate(zip(reasons, homed, strict=True)):
             if not h and self._numels[i]:
                 skipped.setdefault(r or "another rank cannot home it", []).append(i)
         for reason, idx in skipped.items():

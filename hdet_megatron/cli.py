@@ -17,7 +17,6 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Optional
 
 from hdet_megatron.args import name_the_flag
 from hdet_megatron.config import Axis, HDETConfig, HDETConfigError
@@ -244,12 +243,13 @@ def _run_simulate(args: argparse.Namespace) -> int:
         f"sigma={args.sigma}, meta_lr={args.meta_lr}, momentum={args.momentum}, rule={args.rule}"
     )
     print(
-        f"# optimum lr={optimum:.4g} (steady-state loss {steady_state_loss(problem, optimum, replicas):.4g}), "
+        f"# optimum lr={optimum:.4g} "
+        f"(steady-state loss {steady_state_loss(problem, optimum, replicas):.4g}), "
         f"base lr={base:.4g} ({base / optimum:.3g}x optimum)"
     )
     print(f"{'window':>6} {'step':>8} {'scale':>9} {'lr/opt':>8} {'loss':>10}")
     last = len(result.scales) - 1
-    for k, (step, scale, loss) in enumerate(zip(result.steps, result.scales, result.losses)):
+    for k, (step, scale, loss) in enumerate(zip(result.steps, result.scales, result.losses, strict=True)):
         if k % args.every == 0 or k == last:
             print(f"{k:>6} {step:>8} {scale:>9.4f} {base * scale / optimum:>8.3f} {loss:>10.4g}")
     print(

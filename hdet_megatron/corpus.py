@@ -15,7 +15,6 @@ import json
 import os
 import sys
 import sysconfig
-from typing import Optional
 
 #: Suffix Megatron's ``tools/preprocess_data.py`` gives a dataset built from the "text" key.
 DOCUMENT_SUFFIX = "_text_document"
@@ -33,6 +32,7 @@ def default_corpus_files() -> list[str]:
 
 
 def default_corpus_description(files: list[str] | None = None) -> str:
+    """One line that names the default corpus: Python version, module count, directory and size."""
     files = files or default_corpus_files()
     size = sum(os.path.getsize(f) for f in files)
     return (
@@ -51,6 +51,7 @@ def default_cache_dir() -> str:
 
 
 def default_corpus_fingerprint(files: list[str] | None = None) -> str:
+    """Short hash of the Python version and each file's name, size and mtime (the cache key)."""
     h = hashlib.sha256(sys.version.encode())
     for f in files or default_corpus_files():
         st = os.stat(f)
@@ -71,6 +72,7 @@ def sidecar_path(prefix: str) -> str:
 
 
 def read_sidecar(prefix: str) -> dict | None:
+    """The metadata in ``PREFIX.json`` (see :func:`sidecar_path`), or None if there is none."""
     path = sidecar_path(prefix)
     if not os.path.isfile(path):
         return None

@@ -550,7 +550,7 @@ def _reapply_lrs(scheduler) -> None:
         values = scheduler.get_lr()
     finally:
         scheduler._get_lr_called_within_step = False
-    for group, lr in zip(scheduler.optimizer.param_groups, values):
+    for group, lr in zip(scheduler.optimizer.param_groups, values, strict=True):
         if isinstance(group["lr"], torch.Tensor):
             group["lr"].fill_(lr)
         else:
@@ -589,7 +589,7 @@ def _copy_back(original: Any, view: Any) -> None:
         for k in original:
             _copy_back(original[k], view[k])
     elif isinstance(original, list):
-        for o, v in zip(original, view):
+        for o, v in zip(original, view, strict=True):
             _copy_back(o, v)
     elif isinstance(original, DTensor) and isinstance(view, DTensor) and original is not view:
         dst, src = original.to_local(), view.to_local()

@@ -47,7 +47,7 @@ def eval_mode(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
         yield
     finally:
         # train(mode) first (modules that override train() see the call), then the exceptions.
-        for root, mode in zip(roots, root_modes):
+        for root, mode in zip(roots, root_modes, strict=True):
             root.train(mode)
         for module, mode in saved:
             if module.training != mode:
@@ -152,7 +152,7 @@ class LineSearch:
     def mark_window_start(self, steps_in_window: int = 0) -> None:
         """The params are the start of a window (after a converge, or loaded from a checkpoint;
         ``steps_in_window`` > 0 when the load was mid-window: the line is then invalid)."""
-        for dst, src in zip(self.origin, self.params):
+        for dst, src in zip(self.origin, self.params, strict=True):
             dst.copy_(src)
         if self.total is not None:
             for t in self.total:
@@ -186,24 +186,24 @@ class LineSearch:
         then the arm's own params come back bit-exactly from the scratch copy (and ``refresh()``
         again). Collective where ``refresh``/``probe`` are: the same calls on every rank.
         """
-        for dst, src in zip(self.scratch, self.params):
+        for dst, src in zip(self.scratch, self.params, strict=True):
             dst.copy_(src)
         losses = []
         try:
             for s in points:
                 if self.total is None:
-                    for p, p0, p_arm in zip(self.params, self.origin, self.scratch):
+                    for p, p0, p_arm in zip(self.params, self.origin, self.scratch, strict=True):
                         torch.lerp(p0, p_arm, s / rho, out=p)
                 else:
                     w = s / (rho * self.steps)
-                    for p, p0, total in zip(self.params, self.origin, self.total):
+                    for p, p0, total in zip(self.params, self.origin, self.total, strict=True):
                         torch.add(p0, total, alpha=w, out=p)
                 refresh()
                 loss = probe()
                 if loss is not None:
                     losses.append(loss)
         finally:
-            for dst, src in zip(self.params, self.scratch):
+            for dst, src in zip(self.params, self.scratch, strict=True):
                 dst.copy_(src)
             refresh()
         return torch.stack(losses) if losses else None

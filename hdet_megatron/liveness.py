@@ -30,7 +30,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
 
 #: Exit status of a rank that stopped because a node was lost.
 EXIT_NODE_LOST = 75
@@ -40,6 +39,8 @@ _REPLY = b"ok"
 
 @dataclass(frozen=True)
 class Peer:
+    """One rank's liveness endpoint (host, address, port) and node, exchanged once at startup."""
+
     rank: int
     node: int  # torchrun's GROUP_RANK (the rendezvous' node index)
     name: str  # the launcher's NODE_RANK when set, else the node index

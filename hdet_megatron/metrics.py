@@ -28,7 +28,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -45,6 +45,7 @@ def _clean(value: Any) -> Any:
 
 
 def tensorboard_available() -> bool:
+    """Whether tensorboard and torch's SummaryWriter import (the optional TensorBoard output)."""
     try:
         import tensorboard  # noqa: F401
         from torch.utils.tensorboard import SummaryWriter  # noqa: F401
@@ -126,7 +127,7 @@ def read_metrics(run_dir_or_file: str) -> list[dict]:
         raise FileNotFoundError(f"no {METRICS_FILE} in {run_dir_or_file}")
     records = []
     with open(path) as fh:
-        for lineno, line in enumerate(fh, 1):
+        for line in fh:
             line = line.strip()
             if not line:
                 continue

@@ -25,11 +25,13 @@ from hdet_megatron.run_dirs import REPORT_PNG_KEY, check_report_output
 
 
 class ReportError(ValueError):
-    pass
+    """A run directory ``hdet report`` cannot read (one line for the user, no traceback)."""
 
 
 @dataclass
 class Run:
+    """One run's metrics records, by kind, in file order."""
+
     run_dir: str
     runs: list[dict] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)
@@ -64,6 +66,7 @@ def _dedupe(records: list[dict], key=lambda r: r.get("iteration")) -> list[dict]
 
 
 def load_run(run_dir: str) -> Run:
+    """Read ``RUN_DIR/metrics.jsonl`` (or that file) into a :class:`Run`; :class:`ReportError` if unusable."""
     hint = f"is {run_dir!r} the --run-dir (or --save) of a pretrain_gpt.py run?"
     if not os.path.exists(run_dir):
         raise ReportError(f"no {METRICS_FILE} in {run_dir} (no such directory); {hint}")
@@ -104,6 +107,7 @@ def _mean(values) -> float:
 
 
 def summary(run: Run) -> str:
+    """The text summary ``hdet report`` prints: model, data, HDET, losses, throughput."""
     info, lines = run.info, []
     args = info.get("args", {})
     hdet = run.hdet
@@ -148,7 +152,8 @@ def summary(run: Run) -> str:
             start = as_float(run.steps[0].get("scale"))
             start = 1.0 if start is None else start
             lines.append(
-                f"controller lr scale {start:.4f} -> {scales[-1]:.4f} (range {min(scales):.4f}..{max(scales):.4f})"
+                f"controller lr scale {start:.4f} -> {scales[-1]:.4f} "
+                f"(range {min(scales):.4f}..{max(scales):.4f})"
             )
         train_s = sum(as_float(f.get("train_seconds")) or 0.0 for f in run.finals)
         share = f", {100 * conv_s / train_s:.2f}% of train time" if train_s > 0 else ""
@@ -219,6 +224,7 @@ def _ema(values: list[float], span: int) -> list[float]:
 
 
 def plot(run: Run, output: str, smooth: int | None = None) -> str:
+    """Draw the run's curves into the PNG ``output`` (needs matplotlib); returns its path."""
     try:
         import matplotlib
 

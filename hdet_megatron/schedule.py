@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Union
 
 __all__ = [
     "ANNEAL_STRATEGIES",
@@ -29,7 +28,7 @@ __all__ = [
     "phase_at",
 ]
 
-Number = Union[int, float]
+Number = int | float
 
 
 def anneal_cos(start: float, end: float, pct: float) -> float:
@@ -130,7 +129,6 @@ def onecycle_value(
     anneal: str | Callable[[float, float, float], float] = "cos",
 ) -> float:
     """The ``kind`` (``"lr"`` or ``"momentum"``) value at ``step`` for one group's ``values``
-
     (a mapping with ``initial_lr``, ``max_lr``, ``min_lr`` and, for momentum, ``max_momentum``
     and ``base_momentum``, e.g. a torch param group).
     """

@@ -256,12 +256,12 @@ class _Runtime:
         if self.snapshot is None:
             self.snapshot = [p.detach().clone() for p in self.params]
         else:
-            for s, p in zip(self.snapshot, self.params):
+            for s, p in zip(self.snapshot, self.params, strict=True):
                 s.copy_(p.detach())
 
     @torch.no_grad()
     def restore_snapshot(self) -> None:
-        for s, p in zip(self.snapshot, self.params):
+        for s, p in zip(self.snapshot, self.params, strict=True):
             p.copy_(s)
 
 

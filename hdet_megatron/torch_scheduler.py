@@ -293,7 +293,7 @@ class HDETOneCycleLR(OneCycleLR):
         else:
             losses = reduced.train if signal is None else signal
             # An arm whose parameters blew up is as bad as an infinite loss, whatever it reported.
-            losses = [math.inf if bad else x for x, bad in zip(losses, reduced.bad)]
+            losses = [math.inf if bad else x for x, bad in zip(losses, reduced.bad, strict=True)]
             bases = self._base_lrs_at(step)  # base schedule at the first step of the next window
             base_values = {
                 axis.name: bases[rt.group_axes.index(axis)] for axis in cfg.axes if axis in rt.group_axes
@@ -435,7 +435,7 @@ class HDETOneCycleLR(OneCycleLR):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """torch's ``OneCycleLR`` state plus (with HDET) an ``"hdet"`` entry: controller state,
+        """Torch's ``OneCycleLR`` state plus (with HDET) an ``"hdet"`` entry: controller state,
         the current window's loss accumulators and the config fingerprint."""
         state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "_hdet")}
         rt = self._hdet

@@ -121,13 +121,13 @@ def reduce_window(
 
     def means(sums, counts):
         out = []
-        for s, c in zip(sums, counts):
+        for s, c in zip(sums, counts, strict=True):
             n = math.fsum(c)
             out.append(math.fsum(s) / n if n > 0 else math.nan)
         return out
 
     healthy = [(a, r[_ROW_HEAD:]) for a, r in rows if not bad[a]] if num_points else []
-    columns = list(zip(*(losses for _, losses in healthy)))
+    columns = list(zip(*(losses for _, losses in healthy), strict=True))
     point_losses = [math.fsum(col) / len(healthy) for col in columns] if healthy else [math.nan] * num_points
     return WindowLosses(
         train=means(train_sums, train_counts),

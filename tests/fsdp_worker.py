@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -210,10 +209,10 @@ def check_homed_converge(averager, before, update) -> int:
         )
     assert update is None or not update.excluded
     with torch.no_grad():
-        for t, b in zip(tensors, before):
+        for t, b in zip(tensors, before, strict=True):
             t.copy_(b)
         copying.average()
-        for t, a in zip(tensors, after):
+        for t, a in zip(tensors, after, strict=True):
             assert torch.equal(t, a), "homed and copying converge differ"
             t.copy_(a)
     return 1
@@ -241,7 +240,7 @@ def grad_check(rank: int, world_size: int, replicas: int, grad_sync: str) -> flo
     worst = 0.0
     ranks = mesh.mesh.tolist()
     members = [g for r, row in enumerate(ranks) for g in row if grad_sync == "global" or r == arms.arm]
-    for p, q in zip(model.parameters(), reference.parameters()):
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         gathered = [torch.zeros_like(q.grad) for _ in range(world_size)]
         dist.all_gather(gathered, q.grad)
         expected = torch.stack([gathered[g] for g in members]).mean(0)

@@ -27,8 +27,6 @@ import sys
 
 
 def _digest(tensors) -> str:
-    import torch
-
     h = hashlib.sha256()
     for t in tensors:
         h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
@@ -61,19 +59,19 @@ def averager(rank: int, world: int) -> dict:
     assert avg.device == dev, avg.device
     avg.average()
     mean_factor = sum(r + 1 for r in range(world)) / world
-    err_fp32 = max(float((t.cpu() - b * mean_factor).abs().max()) for t, b in zip(fp32, base))
+    err_fp32 = max(float((t.cpu() - b * mean_factor).abs().max()) for t, b in zip(fp32, base, strict=True))
     err_bf16 = max(
         float((t.float().cpu() - (b * mean_factor)).abs().max() / (b.abs().max() * mean_factor))
-        for t, b in zip(bf16, base)
+        for t, b in zip(bf16, base, strict=True)
     )
     plain_digest = _digest(tensors)
     # Weighted: rank r weighs r + 1 (a CUDA tensor weight).
-    for t, b in zip(fp32, base):
+    for t, b in zip(fp32, base, strict=True):
         t.copy_((b * (rank + 1)).to(dev))
     avg.average(torch.tensor(float(rank + 1), device=dev))
     weights = [r + 1 for r in range(world)]
     wmean = sum(w * w for w in weights) / sum(weights)  # sum_r w_r * (r+1) / sum_r w_r, w_r = r+1
-    err_weighted = max(float((t.cpu() - b * wmean).abs().max()) for t, b in zip(fp32, base))
+    err_weighted = max(float((t.cpu() - b * wmean).abs().max()) for t, b in zip(fp32, base, strict=True))
     return {
         "err_fp32": err_fp32,
         "err_bf16_rel": err_bf16,

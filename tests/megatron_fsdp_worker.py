@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import traceback
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -111,7 +110,7 @@ def run(rank: int, world_size: int, sc: MegatronFSDPScenario) -> dict:
                 losses, ok = toy.train_step(setup, [chunk], optimizer, data)
             assert ok
             out["grad_bytes"][step] = counter.bytes
-            out["losses"][step] = float(torch.stack([l["lm loss"] for l in losses]).mean())
+            out["losses"][step] = float(torch.stack([x["lm loss"] for x in losses]).mean())
             scheduler.step(1)
             if hdet is not None:
                 metrics = hdet.step(losses)

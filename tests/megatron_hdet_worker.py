@@ -67,10 +67,10 @@ def check_homed_converge(hdet, before, metrics) -> int:
         )
     assert not metrics.excluded
     with torch.no_grad():
-        for t, b in zip(tensors, before):
+        for t, b in zip(tensors, before, strict=True):
             t.copy_(b)
         copying.average()
-        for t, a in zip(tensors, after):
+        for t, a in zip(tensors, after, strict=True):
             assert torch.equal(
                 t.view(torch.uint8) if t.dtype == torch.bfloat16 else t,
                 a.view(torch.uint8) if a.dtype == torch.bfloat16 else a,
@@ -195,14 +195,16 @@ def run(rank: int, world_size: int, sc: Scenario) -> dict:
                     checked = 0
                     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
                         if hasattr(sub, "fp32_from_float16_groups"):
-                            for mg, fg in zip(sub.float16_groups, sub.fp32_from_float16_groups):
-                                for m, f in zip(mg, fg):
+                            for mg, fg in zip(sub.float16_groups, sub.fp32_from_float16_groups, strict=True):
+                                for m, f in zip(mg, fg, strict=True):
                                     assert torch.equal(m.detach(), f.detach().to(m.dtype))
                                     checked += 1
                         if hasattr(sub, "shard_fp32_from_float16_groups"):
                             # DistOpt: this rank's shard of each bf16 param equals its fp32 shard.
-                            for mg, sg in zip(sub.model_float16_groups, sub.shard_fp32_from_float16_groups):
-                                for m, f in zip(mg, sg):
+                            for mg, sg in zip(
+                                sub.model_float16_groups, sub.shard_fp32_from_float16_groups, strict=True
+                            ):
+                                for m, f in zip(mg, sg, strict=True):
                                     r = sub._get_model_param_range_map(m)["param"]
                                     shard = m.detach().view(-1)[r.start : r.end]
                                     assert torch.equal(shard, f.detach().to(m.dtype))

@@ -42,7 +42,7 @@ def layout_cases(rank: int, world_size: int) -> dict:
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(**kwargs)
         for arms in (None, 1, 2, 4):
-            out[(name, arms)] = _outcome(lambda: ArmLayout.from_parallel_state(arms))
+            out[(name, arms)] = _outcome(lambda arms=arms: ArmLayout.from_parallel_state(arms))
         # The scheduler (built before the first step) refuses the same way.
         try:
             optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)

@@ -69,7 +69,7 @@ def _averaging_world(rank, world):
         assert isinstance(stats, AverageStats) and stats.num_buckets == avg.num_buckets
         assert stats.bytes == avg.nbytes and stats.seconds >= 0 and not stats.weighted
         ref = _reference(world, True)
-        for got, want in zip(data, ref):
+        for got, want in zip(data, ref, strict=True):
             assert got.dtype == want.dtype and torch.equal(got, want), (bucket_mb, got, want)
         mean_scale = sum(range(1, world + 1)) / world
         assert torch.equal(view_base[3:9], torch.arange(3, 9, dtype=torch.float32) * mean_scale)
@@ -85,7 +85,7 @@ def _averaging_world(rank, world):
     data = _data(rank, dyadic=False)
     avg = BucketedAverager(data, bucket_mb=20 / 2**20)
     avg.average()
-    for got, want in zip(data, _reference(world, False)):
+    for got, want in zip(data, _reference(world, False), strict=True):
         tol = {torch.float64: 1e-14, torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}
         assert torch.allclose(got.double(), want.double(), rtol=tol[got.dtype], atol=tol[got.dtype])
     results["random"] = _bits(data)
@@ -109,7 +109,7 @@ def _averaging_world(rank, world):
         avg = BucketedAverager(data, bucket_mb=24 / 2**20)
         stats = avg.average(w)
         assert stats.weighted and float(stats.weight_sum) == 4.0
-        for got, want in zip(data, _reference(world, True, weights)):
+        for got, want in zip(data, _reference(world, True, weights), strict=True):
             assert torch.isfinite(got).all() and torch.equal(got, want)
         results[f"weighted-{as_tensor}"] = _bits(data)
         checks += 1
@@ -120,9 +120,9 @@ def _averaging_world(rank, world):
     avg = BucketedAverager(data, bucket_mb=24 / 2**20)
     with pytest.raises(RuntimeError, match="weights of all ranks are 0"):
         avg.average(0.0)
-    assert all(torch.equal(a, b) for a, b in zip(data, before))
+    assert all(torch.equal(a, b) for a, b in zip(data, before, strict=True))
     avg.average(1.0)  # equal weights = plain mean, bit for bit
-    assert all(torch.equal(a, b) for a, b in zip(data, _reference(world, True)))
+    assert all(torch.equal(a, b) for a, b in zip(data, _reference(world, True), strict=True))
     checks += 1
 
     # 5. Sub-groups: ranks {0, 2} and {1, 3} average separately.
@@ -195,12 +195,12 @@ def _averaging_world(rank, world):
     h = BucketedAverager(homed_data, bucket_mb=24 / 2**20, home=True)
     with pytest.raises(RuntimeError, match="weights of all ranks are 0"):
         h.average(0.0)
-    assert all(torch.equal(a, b) for a, b in zip(homed_data, before))
+    assert all(torch.equal(a, b) for a, b in zip(homed_data, before, strict=True))
     homed_data[0].data = homed_data[0].data.clone()  # e.g. module.to() / load(assign=True)
     h.average()
     assert homed_data[0].data_ptr() == h.homed_tensors[0].data_ptr()
-    ref = [t for t, (_, dt) in zip(_reference(world, True), SHAPES) if dt == torch.float32]
-    assert all(torch.equal(a, b) for a, b in zip(homed_data, ref))
+    ref = [t for t, (_, dt) in zip(_reference(world, True), SHAPES, strict=True) if dt == torch.float32]
+    assert all(torch.equal(a, b) for a, b in zip(homed_data, ref, strict=True))
     # What torch.save writes: a homed tensor's own bytes via own_storage, not the whole buffer.
     import io
 

@@ -36,10 +36,11 @@ def test_tp2_pp2_dp2_resume_in_new_processes_is_bit_exact(tmp_path):
     runs = [("mp", mp), ("distopt", distopt), ("mp_converge", mp)]
     # World 1: the uninterrupted runs that save (and one that only converges at iteration 5).
     saved_mp, saved_distopt, converged = zip(
-        *run_world(8, train_and_save, runs, str(tmp_path), saves, {"mp_converge": (5,)}, timeout=600)
+        *run_world(8, train_and_save, runs, str(tmp_path), saves, {"mp_converge": (5,)}, timeout=600),
+        strict=True,
     )
     # Saving changes nothing but the forced converge: identical to a run that converged at 5.
-    for a, b in zip(saved_mp, converged):
+    for a, b in zip(saved_mp, converged, strict=True):
         assert a["losses"] == b["losses"] and a["params"] == b["params"]
         assert a["history"] == b["history"]
     history = saved_mp[0]["history"]
@@ -51,7 +52,7 @@ def test_tp2_pp2_dp2_resume_in_new_processes_is_bit_exact(tmp_path):
     jobs += [("distopt", distopt, fmt, 5, ()) for fmt in FORMATS]
     resumed = run_world(8, resume, jobs, str(tmp_path), timeout=600)
     for rank in range(8):
-        for (name, _run, _fmt, it, _conv), result in zip(jobs, resumed[rank]):
+        for (name, _run, _fmt, it, _conv), result in zip(jobs, resumed[rank], strict=True):
             reference = saved_mp[rank] if name == "mp" else saved_distopt[rank]
             _same_run(reference, result, it)
 

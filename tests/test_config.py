@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -82,7 +83,7 @@ def test_valid_variants():
     both = HDETConfig(axes=(Axis("lr:embedding", 0.1), Axis("lr:output", 0.2), Axis("weight_decay", 0.3)))
     assert [a.group for a in both.axes] == ["embedding", "output", None]
     assert HDETConfigError.__mro__[1] is ValueError
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         config.period = 3  # frozen
 
 

@@ -27,7 +27,7 @@ RHO = [0.7, 0.9, 1.1, 1.3]
 LOSSES = [1.0, 1.1, 1.2, 1.3]
 Z = 1 + math.exp(-1) + math.exp(-2) + math.exp(-3)
 W = [1 / Z, math.exp(-1) / Z, math.exp(-2) / Z, math.exp(-3) / Z]
-DELTA = sum(w * r for w, r in zip(W, RHO)) - 1  # = -0.198530546917...
+DELTA = sum(w * r for w, r in zip(W, RHO, strict=True)) - 1  # = -0.198530546917...
 
 
 def make(**kw) -> AutoController:
@@ -65,7 +65,7 @@ def test_paper_rule_hand_computed():
     base1, base2 = 2e-3, 1e-3  # the base schedule decays between the two converges
     up1 = ctl.update(LOSSES, {"lr": RHO}, step=1000, base_values={"lr": base1})
     # h_r = base * c * rho_r; Delta = sum w h - mean h, in LR units.
-    d1 = sum(w * base1 * r for w, r in zip(W, RHO)) - base1
+    d1 = sum(w * base1 * r for w, r in zip(W, RHO, strict=True)) - base1
     v1 = 0.1 * d1
     c1 = (base1 * 1.0 + 0.5 * v1) / base1
     assert up1.deltas["lr"] == pytest.approx(d1, rel=1e-12)
@@ -76,7 +76,7 @@ def test_paper_rule_hand_computed():
     # Reversed losses: the best arm is now the largest multiplier.
     up2 = ctl.update(LOSSES[::-1], {"lr": RHO}, step=2000, base_values={"lr": base2})
     h = [base2 * c1 * r for r in RHO]
-    d2 = sum(w * x for w, x in zip(W[::-1], h)) - sum(h) / 4
+    d2 = sum(w * x for w, x in zip(W[::-1], h, strict=True)) - sum(h) / 4
     v2 = 0.9 * v1 + 0.1 * d2
     c2 = (base2 * c1 + 0.5 * v2) / base2
     assert up2.deltas["lr"] == pytest.approx(d2, rel=1e-12)
@@ -229,8 +229,8 @@ def test_additive_axis_shift():
     d = slot_offsets(4, 0.06)  # [-0.06, -0.02, 0.02, 0.06]
     # The lr axis used the slots in reverse order: the two axes get independent Deltas.
     up = ctl.update(LOSSES, {"lr": RHO[::-1], "dropout": d}, step=0)
-    delta_d = sum(w * x for w, x in zip(W, d)) - sum(d) / 4
-    delta_lr = sum(w * x for w, x in zip(W, RHO[::-1])) - 1
+    delta_d = sum(w * x for w, x in zip(W, d, strict=True)) - sum(d) / 4
+    delta_lr = sum(w * x for w, x in zip(W, RHO[::-1], strict=True)) - 1
     assert up.deltas["dropout"] == pytest.approx(delta_d, rel=1e-12)
     assert up.deltas["lr"] == pytest.approx(delta_lr, rel=1e-12)
     assert up.velocities == pytest.approx({"lr": 0.1 * delta_lr, "dropout": 0.1 * delta_d}, rel=1e-12)

@@ -127,7 +127,9 @@ def fake_venv(tmp_path) -> Path:
     (venv / "bin").mkdir(parents=True)
     scripts = {
         "python": f'#!/bin/bash\nexec "{sys.executable}" "$@"\n',
-        "torchrun": f'#!/bin/bash\nprintf "%s\\0" "$@" > "{tmp_path}/torchrun.args"\necho "(torchrun stand-in)"\n',
+        "torchrun": (
+            f'#!/bin/bash\nprintf "%s\\0" "$@" > "{tmp_path}/torchrun.args"\necho "(torchrun stand-in)"\n'
+        ),
         "hdet": f'#!/bin/bash\nprintf "%s\\0" "$@" > "{tmp_path}/hdet.args"\n',
     }
     for name, text in scripts.items():
@@ -147,7 +149,9 @@ def run_demo(venv: Path, run_dir: Path, *args: str, steps: str | None = None) ->
 
 
 def _flags(argv: list[str]) -> dict[str, str]:
-    return {a: b for a, b in zip(argv, argv[1:]) if a.startswith("--") and not b.startswith("--")}
+    return {
+        a: b for a, b in zip(argv, argv[1:], strict=False) if a.startswith("--") and not b.startswith("--")
+    }
 
 
 def test_demo_keeps_a_strangers_directory(fake_venv, tmp_path):

@@ -129,7 +129,7 @@ def test_fsdp_2_arms_x_2_shards_and_resume(tmp_path):
     assert res_arm[0]["layout"]["converged"] and res_arm[0]["layout"]["per_arm_optim"]
     assert len({r["digest_after_save"] for r in arm_r}) == 1  # one averaged model was saved
     check_same_trajectory(arm_r, res_arm, range(6, arm.steps + 1))
-    for a, b in zip(arm_r, res_arm):
+    for a, b in zip(arm_r, res_arm, strict=True):
         assert [h for h in a["history"] if h["step"] > 5] == b["history"]
 
 
@@ -145,7 +145,7 @@ def test_fsdp_4_arms_x_2_shards():
     per_rank = run_world(8, world_tasks, scenarios, grad_checks=[(4, "arm")], timeout=400)
     runs = [[per_rank[r]["runs"][i] for r in range(8)] for i in range(len(scenarios))]
     check_same_trajectory(runs[0], runs[1], range(1, scenarios[0].steps + 1))
-    for sc, res in zip(scenarios[2:], runs[2:]):
+    for sc, res in zip(scenarios[2:], runs[2:], strict=True):
         check_hdet_run(sc, res)
     assert len({r["arm"] for r in runs[2]}) == 4
     assert len({r["arm"] for r in runs[4]}) == 2

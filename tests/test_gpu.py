@@ -150,7 +150,7 @@ def test_rollback_store_round_trips_device_tensors(device):
     for t in tensors:
         t.add_(1.0)
     store.restore()
-    for t, s in zip(tensors, saved):
+    for t, s in zip(tensors, saved, strict=True):
         assert t.device == device
         assert torch.equal(t, s)
 

@@ -26,7 +26,7 @@ def test_fit_quadratic_recovers_exact_coefficients():
     assert (a, g, q) == pytest.approx((2.5, -0.3, 0.8), abs=1e-12)
     # Least squares over 5 points with symmetric noise around the same curve.
     xs = [-0.4, -0.2, 0.0, 0.2, 0.4]
-    ys = [f(x) + e for x, e in zip(xs, [0.01, -0.02, 0.02, -0.02, 0.01])]
+    ys = [f(x) + e for x, e in zip(xs, [0.01, -0.02, 0.02, -0.02, 0.01], strict=True)]
     assert fit_quadratic(xs, ys)[1] == pytest.approx(-0.3, abs=1e-12)  # odd part cancels
     with pytest.raises(ValueError, match="3 distinct points"):
         fit_quadratic([0.1, 0.1, 0.2], [1.0, 1.0, 2.0])

@@ -27,7 +27,7 @@ def test_line_signals_on_megatron(world, signal):
     for r in results[1:]:
         assert r["reference"]["history"] == windows
         assert r["reference"]["scales"] == ref["scales"]
-    for _it, scales, pseudo, line in windows:
+    for _it, _scales, pseudo, line in windows:
         assert line is not None and len(line["points"]) == 4  # one point per arm multiplier
         assert line["points"] == sorted(line["points"]) and pseudo == line["pseudo_losses"]
         assert all(math.isfinite(x) for x in line["losses"])
@@ -53,7 +53,7 @@ def test_line_signals_on_megatron(world, signal):
         assert got["params"] == want["params"] and got["scales"] == want["scales"]
         assert got["history"] == [h for h in want["history"] if h[0] > 6]
     # Probing the line changes nothing about training (controller off in both runs).
-    for r, plain in zip(results, world):
+    for r, plain in zip(results, world, strict=True):
         assert r["off"]["params"] == plain["train_off"]["params"]
         assert r["off"]["losses"] == plain["train_off"]["losses"]
     # The two signals see different points (end points vs window averages).

@@ -142,8 +142,8 @@ def test_axes_reach_forward_and_optimizer_on_every_arm():
         assert all(x == recs[0] for x in recs)
     a, b = by_arm[0][0], by_arm[1][0]
     assert a[0]["lr"]["default"] == 0.0  # warm-up starts at 0: window 0 shows no LR spread
-    for wa, wb in zip(a[1:], b[1:]):
+    for wa, wb in zip(a[1:], b[1:], strict=True):
         assert wa["lr"]["default"] != wb["lr"]["default"]
         assert wa["lr"]["no_wd"] != wb["lr"]["no_wd"]
-    for wa, wb in zip(a, b):
+    for wa, wb in zip(a, b, strict=True):
         assert wa["hidden"] != wb["hidden"] and wa["tau"] != wb["tau"]

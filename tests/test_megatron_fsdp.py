@@ -30,7 +30,7 @@ def test_torch_fsdp2_hsdp_arms():
     for s in steps:
         assert [r["digests"][s] for r in plain] == [r["digests"][s] for r in neutral]
     # HSDP computes the same training as Megatron's pure FSDP (not bitwise: other reduction order).
-    for a, b in zip(plain, pure):
+    for a, b in zip(plain, pure, strict=True):
         for s in steps:
             assert math.isclose(a["losses"][s], b["losses"][s], rel_tol=1e-5)
 

@@ -94,7 +94,7 @@ def test_tp2_pp2_dp2_both_modes():
         Scenario(tp=2, pp=2, grad_sync="global", probe=True),
     ]
     worlds = _worlds(8, scenarios)
-    for sc, results in zip(scenarios, worlds):
+    for sc, results in zip(scenarios, worlds, strict=True):
         check_hdet_run(sc, results)
     # The counter sees gradient traffic between arms in "global" mode (the paper's setting)...
     for r in worlds[0]:
@@ -115,7 +115,7 @@ def test_tp2_dp4_arms_4_and_2():
         Scenario(tp=2, arms=2, grad_sync="arm", count_bytes=True),
     ]
     worlds = _worlds(8, scenarios)
-    for sc, results in zip(scenarios, worlds):
+    for sc, results in zip(scenarios, worlds, strict=True):
         check_hdet_run(sc, results)
     # Hierarchical arms (2 replicas per arm): the replicas of one arm stay identical always.
     for results in worlds[1:]:
@@ -134,7 +134,7 @@ def test_pp2_dp4_distributed_optimizer_instances():
         Scenario(pp=2, arms=2, dist_opt=True, bf16=True, grad_sync="global"),
     ]
     worlds = _worlds(8, scenarios)
-    for sc, results in zip(scenarios, worlds):
+    for sc, results in zip(scenarios, worlds, strict=True):
         check_hdet_run(sc, results)
     for r in worlds[1]:
         assert r["window_bytes"] == [r["averaged_bytes"] + (4 + 4 * 5) * 8] * len(r["history"])
@@ -153,16 +153,16 @@ def test_neutral_hdet_is_bit_identical_and_bf16_masters():
     # signal="probe" with identical arms: the probe batch is the same on every arm, so the arms'
     # probe losses are bit-identical (their training losses are not: different data), and the
     # probe's forward pass leaves training untouched.
-    for r, n in zip(neutral_probe, neutral):
+    for r, n in zip(neutral_probe, neutral, strict=True):
         assert r["final_model"] == n["final_model"] and r["losses"] == n["losses"]
         for h in r["history"]:
             assert len(set(h["arm_losses"])) == 1 and len(set(h["arm_train_losses"])) == 2
     # Determinism: two identical HDET runs give bit-identical losses, params and controller.
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):
         assert a["losses"] == b["losses"] and a["history"] == b["history"]
         assert a["final_model"] == b["final_model"]
         assert a["history"][0]["scales"]["lr"] != 1.0  # the controller really moved
-    for a, b in zip(neutral, plain):
+    for a, b in zip(neutral, plain, strict=True):
         assert a["losses"] == b["losses"]
         assert a["final_model"] == b["final_model"]
         assert [d["model"] for d in a["step_digests"]] == [d["model"] for d in b["step_digests"]]

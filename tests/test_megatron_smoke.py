@@ -68,7 +68,7 @@ def _check(results, steps):
     for r in last:
         by_replica.setdefault(r["dp_rank"], []).append(r["losses"])
     for losses in by_replica.values():
-        assert all(l == losses[0] for l in losses)
+        assert all(x == losses[0] for x in losses)
     for r in results:
         assert len(set(r["dp_digests"])) == 1, "DP replicas diverged under plain DDP"
 

@@ -250,7 +250,9 @@ def test_two_nodes_train_converge_save(reference):
     assert sorted(map(tuple, reference["layout"])) == [(0, 1), (2, 3)]
     for node, log in enumerate(reference["logs"]):
         assert f"run_multinode.sh: node {node}/2, world 4 = TP2 x PP1 x DP2, 2 HDET arms" in log
-    rank0_log = [log for log, ranks in zip(reference["logs"], reference["layout"]) if 0 in ranks][0]
+    rank0_log = [
+        log for log, ranks in zip(reference["logs"], reference["layout"], strict=True) if 0 in ranks
+    ][0]
     assert "HDET on: 2 arms over DP2, period 3" in rank0_log and "done: 12 iterations" in rank0_log
     records = reference["records"]
     run = records[0]

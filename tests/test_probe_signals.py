@@ -47,12 +47,12 @@ def _check_line_means(results: list[dict], points_per_window: int) -> None:
 
 
 def _same_training(a: list[dict], b: list[dict]) -> None:
-    for ra, rb in zip(a, b):
+    for ra, rb in zip(a, b, strict=True):
         assert ra["digests"] == rb["digests"] and ra["lrs"] == rb["lrs"]
 
 
 def _resumed_equal(full: list[dict], resumed: list[dict], after: int) -> None:
-    for rf, rr in zip(full, resumed):
+    for rf, rr in zip(full, resumed, strict=True):
         assert rr["digests"] == {s: d for s, d in rf["digests"].items() if s > after}
         assert rr["lrs"] == {s: v for s, v in rf["lrs"].items() if s > after}
         assert rr["history"] == [h for h in rf["history"] if h["step"] > after]
@@ -141,8 +141,8 @@ def test_probe_signals_fsdp2_hsdp(tmp_path):
         _resumed_equal(avg_r, resumed, 6)
         _same_training(off, train_off)
     # Both reshard settings train, probe and decide bit-identically.
-    for a, b in zip(by_setting[0], by_setting[1]):
-        for ra, rb in zip(a, b):
+    for a, b in zip(by_setting[0], by_setting[1], strict=True):
+        for ra, rb in zip(a, b, strict=True):
             assert ra["digests"] == rb["digests"] and ra["history"] == rb["history"]
             assert ra["probed"] == rb["probed"]
     # Storage replaced mid-window (module._apply): the converge still reaches FSDP's params.

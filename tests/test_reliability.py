@@ -154,7 +154,7 @@ def test_all_arms_nonfinite_raise_or_roll_back(tmp_path):
         assert ev[1]["scale"] == pytest.approx(ev[0]["scale"] * 0.5)
         assert all(math.isfinite(x) for x in r["losses"][8:])
     disk = run_world(4, _diverge_world, "rollback_disk", str(tmp_path), timeout=300)
-    for r, memory in zip(disk, results):
+    for r, memory in zip(disk, results, strict=True):
         ev = r["events"]
         assert [e["rolled_back"] for e in ev] == [False, True, False]
         # Restored from the files: the params of the last converge, finite, the scale halved, and
@@ -168,7 +168,6 @@ def test_all_arms_nonfinite_raise_or_roll_back(tmp_path):
 
 def _guards_world(rank, world_size):
     """fp16 with Megatron's loss scaler: one arm skips a step; weight-hash check vs converge."""
-
     from hdet_megatron.config import Axis, HDETConfig
     from hdet_megatron.megatron import toy
     from hdet_megatron.megatron.runtime import HDET
@@ -330,7 +329,7 @@ def test_crash_fails_fast_and_restart_matches_uninterrupted(tmp_path):
             text[-1500:],
         )
     restarted = run_world(4, _crash_world, str(tmp_path / "crash"), "restart", timeout=300)
-    for ref, new in zip(reference, restarted):
+    for ref, new in zip(reference, restarted, strict=True):
         assert new["start"] == 4
         assert new["main"] == ref["main"] and new["scale"] == ref["scale"]
         assert new["window"] == ref["window"]

@@ -39,7 +39,7 @@ def test_grid_sweep_of_plain_training_agrees_with_the_analytic_optimum():
     opt = best_lr(problem, 8)
     lrs = [opt * 2 ** (k / 4) for k in range(-6, 7)]
     measured = sweep_lr(lrs, replicas=8, steps=15000, burn_in=3000, seed=0, problem=problem)
-    for lr, loss in zip(lrs, measured):
+    for lr, loss in zip(lrs, measured, strict=True):
         assert loss == pytest.approx(steady_state_loss(problem, lr, 8), rel=0.05)
     assert lrs[measured.index(min(measured))] == pytest.approx(opt, rel=0.2)
     diverged = sweep_lr([2.5], steps=3000, burn_in=0)[0]  # above 2 / h_max
@@ -73,7 +73,7 @@ def test_arm_sync_targets_the_optimum_of_one_arm():
     its own (R-replica) gradient noise, so the controller settles near the optimum LR of one
     arm's batch, not of the whole data-parallel batch. (On a quadratic the converged model of
     plain "arm" training follows the same recursion as "global", so best_lr(8) is still the
-    best LR for the averaged model: the arm-mode controller is biased low here.)"""
+    best LR for the averaged model: the arm-mode controller is biased low here)."""
     problem = NQMProblem()
     result = simulate(SIM.replace(grad_sync="arm"), 8, best_lr(problem, 8), STEPS, seed=0)
     assert 1 / 1.5 < result.final_lr / best_lr(problem, 1) < 1.5

@@ -35,8 +35,8 @@ def test_linear_multipliers_paper_values():
     assert linear_multipliers(5, 0.5) == [0.5, 0.75, 1.0, 1.25, 1.5]
     m = linear_multipliers(8, 1 / 9)
     assert m[0] == pytest.approx(8 / 9, abs=1e-15) and m[-1] == pytest.approx(10 / 9, abs=1e-15)
-    assert all(b > a for a, b in zip(m, m[1:]))  # increasing, evenly spaced
-    steps = [b - a for a, b in zip(m, m[1:])]
+    assert all(b > a for a, b in zip(m, m[1:], strict=False))  # increasing, evenly spaced
+    steps = [b - a for a, b in zip(m, m[1:], strict=False)]
     assert max(steps) - min(steps) < 1e-15
     assert linear_multipliers(6, 0.0) == [1.0] * 6
 

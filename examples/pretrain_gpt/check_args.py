@@ -1,11 +1,11 @@
-"""Check a training command line once, before ``torchrun`` starts any rank.
+r"""Check a training command line once, before ``torchrun`` starts any rank.
 
 The launch scripts (``demo_cpu.sh``, ``run_multinode.sh``, ``pretrain_gpt.sbatch``,
 ``pretrain_gpt_hdet.sh``) run this with the world size they are about to launch, so that a bad
 flag or file is one line and exit code 2 instead of one error per rank inside torchrun's
 ``ChildFailedError`` banner::
 
-    python examples/pretrain_gpt/check_args.py --world-size 4 --defaults K [--print0] -- \\
+    python examples/pretrain_gpt/check_args.py --world-size 4 --defaults K [--print0] -- \
         DEFAULT_1 ... DEFAULT_K USER_ARGS...
 
 * The first ``K`` tokens after ``--`` are the launcher's defaults; the rest are the user's

@@ -1,4 +1,5 @@
-"""pretrain_gpt.py's command-line flags (Megatron-LM style plus --hdet-*) and every check that needs no process group."""
+"""pretrain_gpt.py's command-line flags (Megatron-LM style plus --hdet-*) and every check that needs
+no process group."""
 
 from __future__ import annotations
 
@@ -342,7 +343,8 @@ def validate_args(args, argv: list[str], world_size: int):
         raise UsageError(f"--num-attention-heads {args.num_attention_heads} is not divisible by TP {tp}")
     if args.hidden_size % args.num_attention_heads:
         raise UsageError(
-            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}"
+            f"--hidden-size {args.hidden_size} is not divisible by "
+            f"--num-attention-heads {args.num_attention_heads}"
         )
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp

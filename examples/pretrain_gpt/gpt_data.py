@@ -1,10 +1,10 @@
-"""pretrain_gpt.py's data: tokenizer, Megatron GPT datasets (train/valid/test) and the per-rank micro-batch iterators."""
+"""pretrain_gpt.py's data: tokenizer, Megatron GPT datasets (train/valid/test) and the per-rank
+micro-batch iterators."""
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Optional
 
 from gpt_args import _data_prefixes
 

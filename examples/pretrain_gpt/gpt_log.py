@@ -1,10 +1,11 @@
-"""pretrain_gpt.py's outputs: progress lines on rank 0 and records in RUN_DIR/metrics.jsonl (run, step, window, eval, checkpoint, final)."""
+"""pretrain_gpt.py's outputs: progress lines on rank 0 and records in RUN_DIR/metrics.jsonl (run,
+step, window, eval, checkpoint, final)."""
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 
 def _fmt_time(seconds: float) -> str:
@@ -46,7 +47,8 @@ class RunLog:
         )
         say(
             f"data: {tr.data_meta['description']} | "
-            f"{'split ' + args.split if not args.mock_data else 'mock splits'}: train {len(tr.train_ds)} samples, "
+            f"{'split ' + args.split if not args.mock_data else 'mock splits'}: "
+            f"train {len(tr.train_ds)} samples, "
             f"valid {len(tr.valid_ds) if tr.valid_ds is not None else 0}, "
             f"test {len(tr.test_ds) if tr.test_ds is not None else 0}"
         )
@@ -104,7 +106,7 @@ class RunLog:
         now = time.perf_counter()
         steps = pending[-1][0] - self.last_log_iter
         tok_s = self.tokens_per_iter * steps / max(now - self.last_log_time, 1e-9)
-        for (it, _, lrs), mean, arms in zip(pending, means, per_arm):
+        for (it, _, lrs), mean, arms in zip(pending, means, per_arm, strict=True):
             self.write(
                 {
                     "type": "step",
@@ -164,7 +166,7 @@ class RunLog:
         if not self.args.quiet:
             arms = " | ".join(
                 f"arm{a} lr {lr:.2e} {self.signal_name} {loss:.4f}"
-                for a, (lr, loss) in enumerate(zip(lrs["arm_lrs"], m.arm_losses))
+                for a, (lr, loss) in enumerate(zip(lrs["arm_lrs"], m.arm_losses, strict=True))
             )
             before = lrs["scale"]
             after = m.scales.get("lr", before)
@@ -222,7 +224,8 @@ class RunLog:
         }
         self.write(final)
         self.say(
-            f"done: {steps_run} iterations in {_fmt_time(train_seconds)} ({final['tokens_per_s']:,.0f} tok/s), "
+            f"done: {steps_run} iterations in {_fmt_time(train_seconds)} "
+            f"({final['tokens_per_s']:,.0f} tok/s), "
             f"final train loss {last_loss:.4f}"
             + (f", validation loss {valid['loss']:.4f}" if valid else "")
             + (f", test loss {test['loss']:.4f}" if test else "")

@@ -1,9 +1,9 @@
-"""pretrain_gpt.py's training loop: steps, converges, periodic checkpoints and evaluations, the final averaged model."""
+"""pretrain_gpt.py's training loop: steps, converges, periodic checkpoints and evaluations, the
+final averaged model."""
 
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 from gpt_log import RunLog
 from gpt_trainer import Trainer

@@ -1,4 +1,5 @@
-"""pretrain_gpt.py's Trainer: what one rank holds (model, optimizer, scheduler, HDET) and one step, probe, evaluation, checkpoint."""
+"""pretrain_gpt.py's Trainer: what one rank holds (model, optimizer, scheduler, HDET) and one step,
+probe, evaluation, checkpoint."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import math
 import os
 import random
 import time
-from typing import Optional
 
 #: Wall clock of the launch (``pretrain_gpt.py`` imports this module first).
 PROCESS_START = time.time()
@@ -314,7 +314,7 @@ class Trainer(TrainerData):
         for row in rows:
             sums, counts = row[:A], row[A:]
             means.append(sum(sums) / max(sum(counts), 1.0))
-            per_arm.append([s / c if c else float("nan") for s, c in zip(sums, counts)])
+            per_arm.append([s / c if c else float("nan") for s, c in zip(sums, counts, strict=True)])
         return means, per_arm
 
     # -- evaluation ------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Turn a text corpus into a Megatron indexed dataset (``PREFIX_text_document.bin/.idx``).
+r"""Turn a text corpus into a Megatron indexed dataset (``PREFIX_text_document.bin/.idx``).
 
 Inputs: plain-text files (one document per file, or per blank-line paragraph with
 ``--text-unit paragraph``), JSONL files (one document per line, the ``"text"`` field or
@@ -11,7 +11,7 @@ tokenizer and the sources. Nothing is ever downloaded.
     python examples/pretrain_gpt/prepare_data.py --input corpus/*.jsonl --output-prefix data/my
 
     # GPT-2 BPE from local vocab/merges files (needs the `transformers` package)
-    python examples/pretrain_gpt/prepare_data.py --input corpus/ --output-prefix data/my \\
+    python examples/pretrain_gpt/prepare_data.py --input corpus/ --output-prefix data/my \
         --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
 
     # the embedded default corpus (this interpreter's standard library), cached

@@ -1,14 +1,14 @@
-"""GPT pretraining on Megatron-Core with HDET (Hyperparameter-Divergent Ensemble Training).
+r"""GPT pretraining on Megatron-Core with HDET (Hyperparameter-Divergent Ensemble Training).
 
 Megatron-LM style flags; runs under ``torchrun`` (gloo on CPU, NCCL on GPUs), TP x PP x DP from
 the flags, data from Megatron indexed datasets (``prepare_data.py``) through ``GPTDataset`` /
 ``BlendedMegatronDatasetBuilder``. ``--no-hdet`` trains plain Megatron.
 
-    torchrun --standalone --nproc-per-node 4 examples/pretrain_gpt/pretrain_gpt.py \\
-        --tensor-model-parallel-size 2 --num-layers 4 --hidden-size 128 \\
-        --num-attention-heads 4 --seq-length 128 --micro-batch-size 4 --global-batch-size 8 \\
-        --train-iters 300 --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 20 \\
-        --data-path .hdet-cache/data/stdlib-py311-XXXX_text_document --split 90,5,5 \\
+    torchrun --standalone --nproc-per-node 4 examples/pretrain_gpt/pretrain_gpt.py \
+        --tensor-model-parallel-size 2 --num-layers 4 --hidden-size 128 \
+        --num-attention-heads 4 --seq-length 128 --micro-batch-size 4 --global-batch-size 8 \
+        --train-iters 300 --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 20 \
+        --data-path .hdet-cache/data/stdlib-py311-XXXX_text_document --split 90,5,5 \
         --eval-interval 100 --eval-iters 10 --save runs/demo --hdet-period 25
 
 Outputs in ``--run-dir`` (default: ``--save``, else ``runs/<timestamp>``): ``metrics.jsonl``
@@ -30,7 +30,6 @@ from __future__ import annotations
 import datetime
 import os
 import sys
-from typing import Optional
 
 # The example's modules sit next to this file (also when it is loaded by path, not run).
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,7 +48,6 @@ from gpt_args import (  # noqa: E402,F401  (re-exported for scripts and tests)
 )
 from gpt_loop import train  # noqa: E402
 from gpt_trainer import PROCESS_START as _PROCESS_START  # noqa: E402,F401  (first: the launch time)
-from gpt_trainer import Trainer
 
 from hdet_megatron.config import HDETConfigError  # noqa: E402
 

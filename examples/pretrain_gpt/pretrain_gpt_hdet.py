@@ -1,4 +1,4 @@
-"""GPT pretraining with HDET in Megatron-LM's own training loop (``megatron.training.pretrain``).
+r"""GPT pretraining with HDET in Megatron-LM's own training loop (``megatron.training.pretrain``).
 
 Megatron-LM style entry point (model provider, forward step, datasets provider, ``pretrain``) for
 the ``megatron.training`` package of megatron-core 0.19.2 **after** ``patches/apply.sh`` has
@@ -8,22 +8,22 @@ are printed as ``[HDET] ...`` lines and written to TensorBoard / W&B when those 
 
 GPU (NGC image, see docker/README.md), 2 nodes x 8 GPUs, TP2, DP8 = 8 arms::
 
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $MASTER:29500 \\
-        examples/pretrain_gpt/pretrain_gpt_hdet.py \\
-        --tensor-model-parallel-size 2 --num-layers 24 --hidden-size 2048 \\
-        --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 \\
-        --micro-batch-size 4 --global-batch-size 256 --train-iters 100000 \\
-        --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2000 --bf16 \\
-        --data-path $DATA --tokenizer-type GPT2BPETokenizer --vocab-file $VOCAB --merge-file $MERGES \\
-        --save $CKPT --load $CKPT --save-interval 1000 --ckpt-format torch_dist \\
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $MASTER:29500 \
+        examples/pretrain_gpt/pretrain_gpt_hdet.py \
+        --tensor-model-parallel-size 2 --num-layers 24 --hidden-size 2048 \
+        --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 \
+        --micro-batch-size 4 --global-batch-size 256 --train-iters 100000 \
+        --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2000 --bf16 \
+        --data-path $DATA --tokenizer-type GPT2BPETokenizer --vocab-file $VOCAB --merge-file $MERGES \
+        --save $CKPT --load $CKPT --save-interval 1000 --ckpt-format torch_dist \
         --hdet-period 1000 --hdet-spread 0.1111
 
 CPU (gloo, 4 processes, TP2 x DP2; add the flags below, see tests/test_training_patch.py)::
 
-    torchrun --nproc-per-node 4 examples/pretrain_gpt/pretrain_gpt_hdet.py \\
-        --distributed-backend gloo --transformer-impl local --attention-backend local \\
-        --spec local --no-persist-layer-norm --rerun-mode disabled --use-cpu-initialization \\
-        --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion \\
+    torchrun --nproc-per-node 4 examples/pretrain_gpt/pretrain_gpt_hdet.py \
+        --distributed-backend gloo --transformer-impl local --attention-backend local \
+        --spec local --no-persist-layer-norm --rerun-mode disabled --use-cpu-initialization \
+        --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion \
         --no-bias-dropout-fusion --no-rope-fusion --tokenizer-type NullTokenizer --mock-data ...
 
 Without CUDA the script applies ``hdet_megatron.megatron.cpu.apply_training_cpu_shims()`` before
@@ -56,7 +56,6 @@ ON_CPU = _prepare_cpu()
 import torch  # noqa: E402
 
 import megatron.training.training as _mtraining  # noqa: E402
-from megatron.core import mpu  # noqa: E402
 from megatron.core.datasets.blended_megatron_dataset_builder import (  # noqa: E402
     BlendedMegatronDatasetBuilder,
 )

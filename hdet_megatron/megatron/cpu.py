@@ -236,6 +236,7 @@ _STATE = _ShimState()
 
 
 def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (the shims stay off when it does)."""
     return torch.cuda.is_available()
 
 
@@ -386,6 +387,7 @@ def apply_cpu_shims(force: bool = False) -> bool:
 
 
 def shims_applied() -> bool:
+    """Whether the megatron.core CPU shims are applied in this process."""
     return _STATE.applied
 
 
@@ -529,4 +531,5 @@ def apply_training_cpu_shims(force: bool = False) -> bool:
 
 
 def training_shims_applied() -> bool:
+    """Whether the megatron.training CPU shims are applied in this process."""
     return _STATE.training_applied

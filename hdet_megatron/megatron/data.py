@@ -213,6 +213,8 @@ def build_tokenizer(
 
 @dataclass
 class CorpusStats:
+    """What a corpus preparation read: files, documents (and empty ones), source bytes."""
+
     files: int = 0
     documents: int = 0
     empty_documents: int = 0
@@ -237,7 +239,8 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
             )
             if not found:
                 raise DataError(
-                    f"input directory {item!r} holds no text files ({', '.join(TEXT_SUFFIXES + JSON_SUFFIXES)})"
+                    f"input directory {item!r} holds no text files "
+                    f"({', '.join(TEXT_SUFFIXES + JSON_SUFFIXES)})"
                 )
             files.extend(found)
         elif os.path.isfile(item):
@@ -300,7 +303,7 @@ def _json_documents(path: str, json_keys: Sequence[str]) -> Iterator[str]:
                     "choose the text field with --json-keys"
                 )
             parts = [record[k] for k in json_keys]
-            bad = [k for k, v in zip(json_keys, parts) if not isinstance(v, str)]
+            bad = [k for k, v in zip(json_keys, parts, strict=True) if not isinstance(v, str)]
             if bad:
                 raise DataError(f"{path}:{lineno}: field {bad[0]!r} is not a string")
             yield "\n\n".join(parts)
@@ -474,6 +477,7 @@ def parse_data_path(items: Sequence[str]) -> tuple[list[str], list[float] | None
 
 
 def check_prefix_exists(prefix: str) -> None:
+    """Raise :class:`DataError` (with a hint) unless ``PREFIX.bin`` and ``PREFIX.idx`` exist."""
     missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
     if missing:
         hint = ""
@@ -487,6 +491,7 @@ def check_prefix_exists(prefix: str) -> None:
 
 
 def split_bookends(split: str) -> list[tuple[float, float] | None]:
+    """Megatron's ``(begin, end)`` fractions of train/valid/test for ``--split`` (None: empty split)."""
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
         parse_and_normalize_split,
@@ -509,7 +514,7 @@ def split_token_counts(prefix: str, split: str) -> list[dict]:
     del dataset
     n = lengths.shape[0]
     out = []
-    for name, bookend in zip(("train", "valid", "test"), split_bookends(split)):
+    for name, bookend in zip(("train", "valid", "test"), split_bookends(split), strict=True):
         if bookend is None:
             out.append({"split": name, "documents": 0, "tokens": 0})
             continue

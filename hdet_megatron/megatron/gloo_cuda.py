@@ -96,6 +96,7 @@ def apply_gloo_cuda_adapter() -> bool:
 
 
 def adapter_applied() -> bool:
+    """Whether Megatron's ``_coalescing_manager`` is wrapped by this module's adapter."""
     from megatron.core.distributed import param_and_grad_buffer as pgb
 
     return bool(getattr(pgb._coalescing_manager, _PATCHED, False))

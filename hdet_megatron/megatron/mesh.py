@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 
 def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending."""
     return [a for a in range(1, n + 1) if n % a == 0]
 
 

@@ -214,7 +214,7 @@ class RollbackStore:
             if self._host is None:
                 # Pinned when the params are on a GPU: faster device-to-host copies.
                 self._host = [torch.empty_like(t, device="cpu", pin_memory=t.is_cuda) for t in self.tensors]
-            for dst, src in zip(self._host, self.tensors):
+            for dst, src in zip(self._host, self.tensors, strict=True):
                 dst.copy_(src)
         else:
             tmp = self.path + ".tmp"
@@ -224,7 +224,7 @@ class RollbackStore:
     @torch.no_grad()
     def restore(self) -> None:
         saved = self._host if self.directory is None else torch.load(self.path)
-        for dst, src in zip(self.tensors, saved):
+        for dst, src in zip(self.tensors, saved, strict=True):
             dst.copy_(src)
 
 
@@ -540,7 +540,7 @@ class HDET:
         else:
             arm_losses = train_losses
         # An arm whose parameters blew up is as bad as an infinite loss, whatever it reported.
-        arm_losses = [math.inf if bad else loss for loss, bad in zip(arm_losses, bad_params)]
+        arm_losses = [math.inf if bad else loss for loss, bad in zip(arm_losses, bad_params, strict=True)]
         excluded = [a for a, loss in enumerate(arm_losses) if not math.isfinite(loss)]
         try:
             # Raises AllArmsNonFinite / NonFiniteArm (on every rank alike) before anything

@@ -11,7 +11,7 @@ to plain Megatron.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -219,7 +219,7 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
             if axis.name == "weight_decay":
                 values[axis.name] = self.get_wd(groups[0] if groups else None)
             elif axis.name.startswith("lr"):
-                members = [g for g, a in zip(groups, self._group_axes) if a == axis.name]
+                members = [g for g, a in zip(groups, self._group_axes, strict=True) if a == axis.name]
                 values[axis.name] = self.get_lr(members[0] if members else {})
         return values
 
@@ -248,7 +248,9 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
     def _apply_factors(self) -> None:
         """This arm's ``lr`` and ``weight_decay`` from the base values of Megatron's last step."""
         self._check_groups()
-        for group, lr_axis, (lr, wd) in zip(self.optimizer.param_groups, self._group_axes, self._bases):
+        for group, lr_axis, (lr, wd) in zip(
+            self.optimizer.param_groups, self._group_axes, self._bases, strict=True
+        ):
             value = self._apply(lr_axis, lr)
             if isinstance(group["lr"], torch.Tensor):
                 group["lr"].fill_(value)

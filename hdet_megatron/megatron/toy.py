@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -98,6 +98,7 @@ def init_parallel(setup: ToyGPTSetup) -> None:
 
 
 def destroy_parallel() -> None:
+    """Tear down Megatron's model-parallel groups (the default group stays)."""
     parallel_state.destroy_model_parallel()
 
 
@@ -106,6 +107,7 @@ def _dtype(setup: ToyGPTSetup) -> torch.dtype:
 
 
 def transformer_config(setup: ToyGPTSetup) -> TransformerConfig:
+    """Megatron's TransformerConfig for the toy model of ``setup``."""
     return TransformerConfig(
         num_layers=setup.num_layers,
         hidden_size=setup.hidden_size,
@@ -170,6 +172,7 @@ def build_model(setup: ToyGPTSetup, ddp_group_kwargs: dict | None = None) -> lis
 
 
 def build_optimizer(setup: ToyGPTSetup, model: list, config_overrides=None, **overrides: Any):
+    """Megatron's optimizer (Adam) over ``model``; ``overrides`` replace OptimizerConfig fields."""
     kwargs = dict(
         optimizer="adam",
         lr=setup.lr,
@@ -260,6 +263,7 @@ def data_iterator_for_rank(setup: ToyGPTSetup, base_seed: int = 0):
 
 @contextlib.contextmanager
 def parallel(setup: ToyGPTSetup):
+    """Model-parallel groups of ``setup`` for the ``with`` block, destroyed afterwards."""
     init_parallel(setup)
     try:
         yield

@@ -1,4 +1,5 @@
-"""Megatron-LM's checkpoint layout: directories, tracker, format detection, common state, RNG, optimizer-state fixes.
+"""Megatron-LM's checkpoint layout: directories, tracker, format detection, common state, RNG,
+optimizer-state fixes.
 
 Shared by both formats (:mod:`.torch_dist`, :mod:`.legacy`) and by the save/load entry points in
 :mod:`hdet_megatron.megatron.checkpointing`.
@@ -9,7 +10,6 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Mapping, Sequence
-from typing import Optional
 
 import torch
 

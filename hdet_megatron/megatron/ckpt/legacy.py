@@ -1,4 +1,5 @@
-"""The legacy (``torch.save``) format: one file per TP/PP rank from DP rank 0, plus per-DP-rank distributed-optimizer files.
+"""The legacy (``torch.save``) format: one file per TP/PP rank from DP rank 0, plus per-DP-rank
+distributed-optimizer files.
 
 HDET's state travels inside ``opt_param_scheduler`` (Megatron-LM's own ``save_checkpoint`` picks
 it up from ``opt_param_scheduler.state_dict()`` unchanged).
@@ -89,7 +90,7 @@ def _load_legacy_distopt(ckpt_dir: str, optimizer) -> None:
         raise HDETCheckpointError(
             f"{path} holds {len(data['param_state'])} optimizer states, this run has {len(subs)}"
         )
-    for sub, param_state in zip(subs, data["param_state"]):
+    for sub, param_state in zip(subs, data["param_state"], strict=True):
         if param_state is not None:
             _set_distopt_param_state(sub, param_state, path)
 
@@ -105,5 +106,5 @@ def _set_distopt_param_state(sub, state, path: str) -> None:
                 bucket_state = state[gbuf_idx][dtype][bucket_idx]
                 if len(bucket_state) != len(range_map["param_map"]):
                     raise HDETCheckpointError(f"{path}: bucket {bucket_idx} does not match this run's")
-                for tensors, model_param in zip(bucket_state, range_map["param_map"]):
+                for tensors, model_param in zip(bucket_state, range_map["param_map"], strict=True):
                     sub._set_main_param_and_optimizer_states(model_param, tensors)

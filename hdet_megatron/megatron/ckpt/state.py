@@ -1,4 +1,5 @@
-"""HDET's checkpoint state: the ``"hdet"`` entry of the scheduler state, the runtime's window position, save preparation.
+"""HDET's checkpoint state: the ``"hdet"`` entry of the scheduler state, the runtime's window
+position, save preparation.
 
 HDET's own state (controller scales and velocities, window index = position of the counter-based
 permutation generator, iteration, steps in the window, the partial window's per-arm loss sums,
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -199,7 +200,10 @@ def prepare_save(hdet) -> Any | None:
         buf[layout.num_arms + layout.arm] = 1.0
     dist.all_reduce(buf, group=layout.loss_group)
     values = buf.tolist()
-    sums = [s / c if c > 0 else 0.0 for s, c in zip(values[: layout.num_arms], values[layout.num_arms :])]
+    sums = [
+        s / c if c > 0 else 0.0
+        for s, c in zip(values[: layout.num_arms], values[layout.num_arms :], strict=True)
+    ]
     hdet._save_snapshot = (hdet.iteration, sums)
     return None
 
