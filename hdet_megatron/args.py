@@ -226,11 +226,11 @@ def hdet_config_from_args(args: argparse.Namespace) -> HDETConfig | None:
     flags = dict(HDET_FLAGS)
     try:
         if args.hdet_axis:
-            axes = []
+            parsed = []
             for text in args.hdet_axis:
                 flags["axes"] = f"--hdet-axis {text}"
-                axes.append(parse_axis(text))
-            axes = tuple(axes)
+                parsed.append(parse_axis(text))
+            axes = tuple(parsed)
             flags["axes"] = "--hdet-axis"
         else:
             flags["axes"] = "--hdet-spread"

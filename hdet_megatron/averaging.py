@@ -43,9 +43,11 @@ import time
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 __all__ = [
     "AverageStats",
@@ -106,7 +108,7 @@ _HOMEABLE_DTYPES = (torch.float32, torch.float64)
 _warned: set[str] = set()
 
 
-def _warn_once(key: str, message: str, *args) -> None:
+def _warn_once(key: str, message: str, *args: object) -> None:
     if key not in _warned:
         _warned.add(key)
         logger.warning(message, *args)
@@ -177,12 +179,18 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
 #: (id(state_dict), id(param)) -> (weakref to the state dict, the copy): a tensor reachable
 #: under two keys of one state dict (tied weights) is copied once, so torch.save still writes one
 #: storage for it, as it did before homing.
-_copies: dict[tuple[int, int], tuple[weakref.ref, torch.Tensor]] = {}
+_copies: dict[tuple[int, int], tuple[weakref.ref[Any], torch.Tensor]] = {}
 
 
-def _state_dict_hook(names: tuple[str, ...], module, state_dict, prefix, local_metadata) -> None:
-    for key in [k for k, v in _copies.items() if v[0]() is None]:
-        del _copies[key]
+def _state_dict_hook(
+    names: tuple[str, ...],
+    module: torch.nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+) -> None:
+    for stale in [k for k, v in _copies.items() if v[0]() is None]:
+        del _copies[stale]
     for name in names:
         param = module._parameters.get(name)
         key = prefix + name
@@ -195,7 +203,9 @@ def _state_dict_hook(names: tuple[str, ...], module, state_dict, prefix, local_m
         state_dict[key] = _copies[memo][1]
 
 
-def protect_module_state_dicts(modules: Sequence[torch.nn.Module], homed: Sequence[torch.Tensor]) -> list:
+def protect_module_state_dicts(
+    modules: Sequence[torch.nn.Module], homed: Sequence[torch.Tensor]
+) -> list[RemovableHandle]:
     """Make ``module.state_dict()`` return homed parameters in their own storage.
 
     ``state_dict()`` returns ``param.detach()``, which shares the parameter's storage; for a
@@ -206,7 +216,8 @@ def protect_module_state_dicts(modules: Sequence[torch.nn.Module], homed: Sequen
     whose writers copy views themselves) are left alone. Returns the hook handles.
     """
     ids = {id(t) for t in homed}
-    handles, seen = [], set()
+    handles: list[RemovableHandle] = []
+    seen: set[int] = set()
     for root in modules:
         for module in root.modules():
             if id(module) in seen:
@@ -214,9 +225,9 @@ def protect_module_state_dicts(modules: Sequence[torch.nn.Module], homed: Sequen
             seen.add(id(module))
             names = tuple(n for n, p in module._parameters.items() if p is not None and id(p) in ids)
             if names:
-                handles.append(
-                    module.register_state_dict_post_hook(functools.partial(_state_dict_hook, names))
-                )
+                # torch declares Module.register_state_dict_post_hook without annotations.
+                hook = functools.partial(_state_dict_hook, names)
+                handles.append(module.register_state_dict_post_hook(hook))  # type: ignore[no-untyped-call]
     return handles
 
 
@@ -356,7 +367,9 @@ class BucketedAverager:
         self._weight_sum = torch.zeros((), dtype=buckets[0].dtype, device=self.device)
 
     @staticmethod
-    def _bucket(dtype, fill, segs, home_id, start) -> _Bucket:
+    def _bucket(
+        dtype: torch.dtype, fill: int, segs: list[_Segment], home_id: int | None, start: int
+    ) -> _Bucket:
         home = None if home_id is None else (home_id, start)
         return _Bucket(dtype, fill, tuple(segs), home)
 
@@ -400,6 +413,7 @@ class BucketedAverager:
                 n = self._numels[idx]
                 view = flat[offset : offset + n].view(t.shape)
                 view.copy_(t)
+                assert homer is not None  # a stream is homed only when a Homer chose its tensors
                 kept = homer.install(t, view)
                 if kept.data_ptr() != view.data_ptr():
                     raise RuntimeError(f"internal: tensor {idx} was not moved into the flat buffer")
@@ -464,8 +478,10 @@ class BucketedAverager:
         """Homed tensors must still live in the flat storage: something that replaced a
         tensor's ``.data`` (``module.to()``, ``load_state_dict(assign=True)``) would otherwise
         leave the average in the buffer and not in the tensor. Such a tensor is moved back."""
+        homer = self._homer
         for idx, view in self._home_views.items():
-            t = self._homer.current(self._tensors[idx])
+            assert homer is not None  # home views exist only when a Homer installed them
+            t = homer.current(self._tensors[idx])
             if t.data_ptr() == view.data_ptr() and t.shape == view.shape:
                 continue
             if t.shape != view.shape or t.dtype != view.dtype or t.device != view.device:
@@ -474,14 +490,14 @@ class BucketedAverager:
                     f"{tuple(t.shape)}, {t.dtype}, {t.device}); build a new averager"
                 )
             view.copy_(t)
-            self._tensors[idx] = self._homer.rehome(self._tensors[idx], view)
+            self._tensors[idx] = homer.rehome(self._tensors[idx], view)
             _warn_once(
                 "rehomed",
                 "BucketedAverager: a homed tensor's storage was replaced (e.g. by module.to() or "
                 "load_state_dict(assign=True)); its values were moved back into the flat buffer",
             )
 
-    def _pack(self, i: int, weight) -> torch.Tensor:
+    def _pack(self, i: int, weight: float | torch.Tensor | None) -> torch.Tensor:
         b = self._buckets[i]
         buf = self._view(i)
         data = buf[: b.numel]
@@ -501,7 +517,7 @@ class BucketedAverager:
                 data.mul_(weight)
         return buf
 
-    def _unpack(self, i: int, divisor) -> None:
+    def _unpack(self, i: int, divisor: float | torch.Tensor) -> None:
         b = self._buckets[i]
         data = self._view(i)[: b.numel]
         if b.home is not None:
@@ -567,7 +583,8 @@ class BucketedAverager:
 
         n = len(self._buckets)
         depth = max(self.num_buffers, 1)
-        works: list = [None] * n
+        # torch types all_reduce's result as Work | None (None only without async_op).
+        works: list[Any] = [None] * n
         state = {"next": 0, "copies": 0}  # next bucket to launch; copy buckets in flight
 
         def pump() -> None:
@@ -624,7 +641,7 @@ def _itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
-def _check_weight(weights, device: torch.device):
+def _check_weight(weights: object, device: torch.device) -> float | torch.Tensor | None:
     if weights is None:
         return None
     if isinstance(weights, torch.Tensor):

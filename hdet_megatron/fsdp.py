@@ -720,8 +720,9 @@ def load_checkpoint(
     state["scheduler"] = b""
     state["hdet_rank_losses"] = torch.zeros(dist.get_world_size(), 2, dtype=torch.float64)
     dcp.load(state, checkpoint_id=checkpoint_id)
+    arm = rt.arm if rt is not None else 0  # per-arm entries exist only with arms (rt set)
     for kind, per_arm in (("model", layout["per_arm_params"]), ("optim", layout["per_arm_optim"])):
-        _copy_back(originals[kind], state[f"{kind}_arm{rt.arm}" if per_arm else kind])
+        _copy_back(originals[kind], state[f"{kind}_arm{arm}" if per_arm else kind])
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     scheduler.load_state_dict(pickle.loads(state["scheduler"]))
     if rt is not None:

@@ -82,7 +82,11 @@ class BatchProbe:
     def new_window(self, window: int) -> None:
         """Take the batch of ``window`` (called by the runtime before the window's probes)."""
         if window != self._window or self._batch is None:
-            self._batch = self._by_window(window) if self._by_window is not None else next(self._iterator)
+            if self._by_window is not None:
+                self._batch = self._by_window(window)
+            else:
+                assert self._iterator is not None  # __init__ keeps one of the two
+                self._batch = next(self._iterator)
             self._window = window
 
     def __call__(self) -> Any:

@@ -153,6 +153,7 @@ class Liveness:
     # -- threads -------------------------------------------------------------------------------
     def _serve(self) -> None:
         server = self._server
+        assert server is not None  # started after the server socket is bound
         while not self._stop.is_set():
             try:
                 conn, _ = server.accept()

@@ -74,21 +74,23 @@ class MetricsWriter:
             self.tensorboard_dir = tensorboard_dir or os.path.join(run_dir, "tensorboard")
             self.tb = SummaryWriter(self.tensorboard_dir)
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict[str, Any]) -> None:
         record = {"type": record.get("type", "event"), "time": round(time.time(), 3), **record}
         self._fh.write(json.dumps(_clean(record)) + "\n")
         if self.tb is not None:
             self._to_tensorboard(record)
 
-    def _to_tensorboard(self, r: dict) -> None:
+    def _to_tensorboard(self, r: dict[str, Any]) -> None:
         it = r.get("iteration")
         if it is None:
             return
         kind = r["type"]
+        tb = self.tb
+        assert tb is not None  # write() calls this only with a writer
 
         def put(tag: str, value: Any) -> None:
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                self.tb.add_scalar(tag, value, it)
+                tb.add_scalar(tag, value, it)
 
         if kind == "step":
             put("train/loss", r.get("loss"))
@@ -118,7 +120,7 @@ class MetricsWriter:
             self.tb.close()
 
 
-def read_metrics(run_dir_or_file: str) -> list[dict]:
+def read_metrics(run_dir_or_file: str) -> list[dict[str, Any]]:
     """All records of a run (``RUN_DIR`` or the ``metrics.jsonl`` path), in file order."""
     path = run_dir_or_file
     if os.path.isdir(path):

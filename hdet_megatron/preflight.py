@@ -131,7 +131,7 @@ class OneLineParser(argparse.ArgumentParser):
     """``argparse`` with one-line errors: ``PROG: error: MESSAGE (PROG --help lists the flags)``
     and exit code 2, instead of a usage block. Subparsers inherit it."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         fail(self.prog, f"{message} ({self.prog} --help lists the flags)")
         sys.exit(USAGE)
 
@@ -185,8 +185,8 @@ def merge_defaults(defaults: Sequence[str], user: Sequence[str]) -> list[str]:
         drop.update(REPLACES.get(flag, ()))
     out: list[str] = []
     for group in _groups(defaults):
-        flag = _flag(group[0])
-        if flag in drop or (flag and flag.startswith("--hdet-") and "--hdet-*" in drop):
+        head = _flag(group[0])
+        if head in drop or (head and head.startswith("--hdet-") and "--hdet-*" in drop):
             continue
         out += group
     return out + list(user)
@@ -412,7 +412,7 @@ def check_save_dir(save: str, load: str | None, ckpt_step: int | None = None) ->
     has_tracker = os.path.isfile(os.path.join(save, TRACKER))
     if not iterations and not has_tracker:
         return
-    same = bool(load) and os.path.realpath(load) == os.path.realpath(save)
+    same = bool(load and os.path.realpath(load) == os.path.realpath(save))
     if not same:
         held = f"iter_{iterations[-1]:07d}" if iterations else TRACKER
         raise InputError(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hdet_megatron.metrics import METRICS_FILE, as_float, read_metrics
@@ -85,7 +86,7 @@ def load_run(run_dir: str) -> Run:
     run = Run(run_dir=run_dir)
     by_type: dict[str, list[dict]] = {}
     for r in records:
-        by_type.setdefault(r.get("type"), []).append(r)
+        by_type.setdefault(r["type"], []).append(r)
     run.runs = by_type.get("run", [])
     run.steps = _dedupe(by_type.get("step", []))
     run.windows = _dedupe(by_type.get("window", []), key=lambda r: (r.get("window"), r.get("iteration")))
@@ -144,8 +145,8 @@ def summary(run: Run) -> str:
     if run.test:
         lines.append(f"test loss {as_float(run.test[-1]['loss']):.4f} @ {run.test[-1]['iteration']}")
     if run.windows:
-        scales = [as_float((w.get("scales") or {}).get("lr")) for w in run.windows]
-        scales = [s for s in scales if s is not None]
+        lr_scales = (as_float((w.get("scales") or {}).get("lr")) for w in run.windows)
+        scales = [s for s in lr_scales if s is not None]
         conv_s = sum(as_float(w.get("converge_seconds")) or 0.0 for w in run.windows)
         conv_b = _mean(w.get("converge_bytes") for w in run.windows)
         if scales:
@@ -198,7 +199,8 @@ def _lr_wins(run: Run) -> tuple[int, int, int] | None:
         if max(mult) == min(mult):
             continue
         total += 1
-        best = min(range(len(losses)), key=losses.__getitem__)
+        finite = [x for x in losses if x is not None]  # all of them (checked above)
+        best = min(range(len(finite)), key=finite.__getitem__)
         mid = sum(mult) / len(mult)
         if mult[best] > mid:
             higher += 1
@@ -210,10 +212,11 @@ def _lr_wins(run: Run) -> tuple[int, int, int] | None:
 # --- the figure --------------------------------------------------------------------------------
 
 
-def _ema(values: list[float], span: int) -> list[float]:
+def _ema(values: Sequence[float | None], span: int) -> list[float | None]:
     if span <= 1:
-        return values
-    alpha, out, acc = 2.0 / (span + 1), [], None
+        return list(values)
+    alpha, acc = 2.0 / (span + 1), None
+    out: list[float | None] = []
     for v in values:
         if v is None or not math.isfinite(v):
             out.append(float("nan"))
@@ -289,7 +292,8 @@ def plot(run: Run, output: str, smooth: int | None = None) -> str:
     ax = axs[0, 1]
     base = [as_float(s.get("base_lr")) for s in steps]
     centre = [as_float(s.get("lr")) for s in steps]
-    arm_lrs = [[as_float(x) for x in (s.get("arm_lrs") or [])] for s in steps]
+    # Each step's arm LRs that are numbers (a record holds numbers; as_float gives None otherwise).
+    arm_lrs = [[v for v in (as_float(x) for x in (s.get("arm_lrs") or [])) if v is not None] for s in steps]
     if arm_lrs and all(arm_lrs) and arms > 1:
         lo = [min(x) for x in arm_lrs]
         hi = [max(x) for x in arm_lrs]

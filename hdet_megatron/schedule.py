@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 __all__ = [
     "ANNEAL_STRATEGIES",
@@ -48,7 +49,9 @@ ANNEAL_STRATEGIES: dict[str, Callable[[float, float, float], float]] = {
 }
 
 
-def onecycle_phases(total_steps: int, pct_start: float = 0.3, three_phase: bool = False) -> list[dict]:
+def onecycle_phases(
+    total_steps: int, pct_start: float = 0.3, three_phase: bool = False
+) -> list[dict[str, Any]]:
     """The phase table of torch's ``OneCycleLR`` (same keys, same float ``end_step`` values).
 
     Each phase is ``{"end_step", "start_lr", "end_lr", "start_momentum", "end_momentum"}``; the
@@ -97,7 +100,7 @@ def onecycle_phases(total_steps: int, pct_start: float = 0.3, three_phase: bool 
     ]
 
 
-def phase_at(phases: Sequence[Mapping], step: int) -> tuple[Mapping, float]:
+def phase_at(phases: Sequence[Mapping[str, Any]], step: int) -> tuple[Mapping[str, Any], float]:
     """The phase that ``step`` falls in and the fraction ``pct`` of it done (torch's loop).
 
     The last phase extends past its end (torch extrapolates there too). A zero-length phase
@@ -123,7 +126,7 @@ def phase_at(phases: Sequence[Mapping], step: int) -> tuple[Mapping, float]:
 
 def onecycle_value(
     values: Mapping[str, float],
-    phases: Sequence[Mapping],
+    phases: Sequence[Mapping[str, Any]],
     step: int,
     kind: str = "lr",
     anneal: str | Callable[[float, float, float], float] = "cos",
@@ -137,7 +140,7 @@ def onecycle_value(
     return fn(values[phase[f"start_{kind}"]], values[phase[f"end_{kind}"]], pct)
 
 
-def _per_group(name: str, value, num_groups: int | None) -> list:
+def _per_group(name: str, value: Any, num_groups: int | None) -> list[Any]:
     if isinstance(value, (list, tuple)):
         if num_groups is not None and len(value) != num_groups:
             raise ValueError(

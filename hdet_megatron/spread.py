@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -124,7 +125,7 @@ def _encode_key(seed: int, window: int, axis_name: str) -> bytes:
     return _PERM_STREAM + struct.pack(">QQQ", seed, window, len(name)) + name
 
 
-def _draw_stream(seed: int, window: int, axis_name: str):
+def _draw_stream(seed: int, window: int, axis_name: str) -> Iterator[int]:
     """Counter-based generator: 64-bit draws ``blake2b(key || counter)``."""
     base = hashlib.blake2b(_encode_key(seed, window, axis_name), digest_size=8)
     counter = 0

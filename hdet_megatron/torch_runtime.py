@@ -218,6 +218,7 @@ class _Runtime:
         """This rank's loss from ``probe_fn``, run under ``torch.no_grad()`` with the model in
         eval mode (its previous mode restored); a device scalar (no host sync). The model is
         refreshed after it (FSDP2: resharded, whatever the forward left gathered)."""
+        assert self.probe_fn is not None  # __init__ requires it for the signals that probe
         loss = probe_scalar(run_probe(self.probe_fn, [self.model]), self.device, self.acc_dtype)
         self.refresh()
         return loss
@@ -261,6 +262,7 @@ class _Runtime:
 
     @torch.no_grad()
     def restore_snapshot(self) -> None:
+        assert self.snapshot is not None  # taken in __init__ when rollback is on
         for s, p in zip(self.snapshot, self.params, strict=True):
             p.copy_(s)
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -111,7 +111,7 @@ class HDETOneCycleLR(OneCycleLR):
         epochs: int | None = None,
         steps_per_epoch: int | None = None,
         pct_start: float = 0.3,
-        anneal_strategy: str = "cos",
+        anneal_strategy: Literal["cos", "linear"] = "cos",
         cycle_momentum: bool = True,
         base_momentum: float | Sequence[float] = 0.85,
         max_momentum: float | Sequence[float] = 0.95,
@@ -138,17 +138,19 @@ class HDETOneCycleLR(OneCycleLR):
                 self._hdet = FSDPRuntime(hdet, optimizer, model, process_group, device_mesh, probe_fn)
             else:
                 self._hdet = _Runtime(hdet, optimizer, model, process_group, probe_fn)
+        # torch annotates max_lr/base_momentum/max_momentum as float | list[float]; it takes any
+        # sequence (OneCycleLR._format_param).
         super().__init__(
             optimizer,
-            max_lr,
+            max_lr,  # type: ignore[arg-type]
             total_steps=total_steps,
             epochs=epochs,
             steps_per_epoch=steps_per_epoch,
             pct_start=pct_start,
             anneal_strategy=anneal_strategy,
             cycle_momentum=cycle_momentum,
-            base_momentum=base_momentum,
-            max_momentum=max_momentum,
+            base_momentum=base_momentum,  # type: ignore[arg-type]
+            max_momentum=max_momentum,  # type: ignore[arg-type]
             div_factor=div_factor,
             final_div_factor=final_div_factor,
             three_phase=three_phase,
@@ -163,7 +165,7 @@ class HDETOneCycleLR(OneCycleLR):
             if self._anneal_func_type not in ANNEAL_STRATEGIES:
                 raise ValueError(f"Unknown _anneal_func_type: {self._anneal_func_type}")
             return ANNEAL_STRATEGIES[self._anneal_func_type]
-        return self.anneal_func
+        return self.anneal_func  # type: ignore[attr-defined]  # an older torch's state (see above)
 
     def _base_lrs_at(self, step: int) -> list[float]:
         """OneCycle base LR of every group at ``step`` (no side effects)."""
@@ -171,7 +173,8 @@ class HDETOneCycleLR(OneCycleLR):
         phase, pct = phase_at(self._schedule_phases, min(step, self.total_steps))
         return [anneal(g[phase["start_lr"]], g[phase["end_lr"]], pct) for g in self.optimizer.param_groups]
 
-    def get_lr(self) -> list[float]:
+    # torch's get_lr returns list[float | Tensor] (a tensor LR stays one); this one plain floats.
+    def get_lr(self) -> list[float]:  # type: ignore[override]
         """OneCycle's value (bit-identical to torch) times this arm's ``c * rho``; cycles the
         momentum / beta1 exactly like ``OneCycleLR`` (a side effect, as in torch)."""
         if not self._get_lr_called_within_step:
@@ -205,7 +208,7 @@ class HDETOneCycleLR(OneCycleLR):
         return lrs
 
     # ------------------------------------------------------------------ stepping
-    def step(self, loss: None | float | torch.Tensor = None) -> None:  # type: ignore[override]
+    def step(self, loss: None | float | torch.Tensor = None) -> None:
         """Advance one optimizer step. ``loss``: this rank's local loss of the step just taken
         (needed by the controller; accumulated on the device, no host sync). Every
         ``hdet.period`` steps this converges (collective: call it on every rank)."""
@@ -242,7 +245,8 @@ class HDETOneCycleLR(OneCycleLR):
         """Probe (``signal`` probe/line/average, when the window has steps), then the window's one
         reduction. Returns the reduced losses, the controller's signal per arm (None: the train
         losses) and the window's line fit."""
-        rt, cfg = self._hdet, self._hdet.config
+        rt = self._runtime()
+        cfg = rt.config
         spreads = rt.spreads(window)
         probe = points = losses = None
         if rt.steps_in_window and cfg.signal == "probe":
@@ -268,8 +272,13 @@ class HDETOneCycleLR(OneCycleLR):
             return reduced, reduced.probe, None
         return reduced, None, None
 
+    def _runtime(self) -> _Runtime:
+        """The HDET runtime, on the paths that run only with HDET on."""
+        assert self._hdet is not None
+        return self._hdet
+
     def _converge(self, step: int, partial: bool = False) -> None:
-        rt = self._hdet
+        rt = self._runtime()
         cfg = rt.config
         window = max(self.last_epoch, 0) // cfg.period
         reduced, signal, line = self._window_signal(window, step)
@@ -403,7 +412,8 @@ class HDETOneCycleLR(OneCycleLR):
     def get_last_base_lr(self) -> list[float]:
         """The OneCycle base LR of each group at the current step (before ``c * rho``)."""
         if self._hdet is None:
-            return list(self.get_last_lr())
+            # No HDET: get_lr() above gave OneCycle's base values (floats for float LRs).
+            return cast("list[float]", list(self.get_last_lr()))
         return list(self._hdet.last_base_lrs)
 
     def metrics(self) -> dict:

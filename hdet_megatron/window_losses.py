@@ -107,19 +107,19 @@ def reduce_window(
         dist.all_reduce(buf, group=group)
     values = buf.tolist()  # the one host sync of the window
     bad = [v > 0 for v in values[:num_arms]]
-    rows = [values[num_arms + r * width : num_arms + (r + 1) * width] for r in range(num_rows)]
-    rows = [(int(round(r[0])) - 1, r) for r in rows if r[0] > 0]
-    train_sums = [[] for _ in range(num_arms)]
-    train_counts = [[] for _ in range(num_arms)]
-    probe_sums = [[] for _ in range(num_arms)]
-    probe_counts = [[] for _ in range(num_arms)]
+    slots = [values[num_arms + r * width : num_arms + (r + 1) * width] for r in range(num_rows)]
+    rows = [(int(round(r[0])) - 1, r) for r in slots if r[0] > 0]  # (arm, row) of filled slots
+    train_sums: list[list[float]] = [[] for _ in range(num_arms)]
+    train_counts: list[list[float]] = [[] for _ in range(num_arms)]
+    probe_sums: list[list[float]] = [[] for _ in range(num_arms)]
+    probe_counts: list[list[float]] = [[] for _ in range(num_arms)]
     for a, r in rows:
         train_sums[a].append(r[1])
         train_counts[a].append(r[2])
         probe_sums[a].append(r[3])
         probe_counts[a].append(r[4])
 
-    def means(sums, counts):
+    def means(sums: list[list[float]], counts: list[list[float]]) -> list[float]:
         out = []
         for s, c in zip(sums, counts, strict=True):
             n = math.fsum(c)

@@ -275,9 +275,11 @@ def load_checkpoint(
     # 1. Validate HDET state first: a bad one must not leave a half-loaded model behind.
     if is_hdet and sched_state is not None and HDET_STATE_KEY in sched_state:
         plan_hdet_load(scheduler, sched_state[HDET_STATE_KEY], override_hdet_config)
-    if scheduler is not None and sched_state is None:
-        raise HDETCheckpointError(f"{ckpt_dir}: checkpoint has no 'opt_param_scheduler'; nothing was loaded")
     if scheduler is not None:
+        if sched_state is None:
+            raise HDETCheckpointError(
+                f"{ckpt_dir}: checkpoint has no 'opt_param_scheduler'; nothing was loaded"
+            )
         _precheck_megatron_scheduler(scheduler, sched_state, ckpt_dir)
     saved_layout = (common.get("hdet_checkpoint") or {}).get("layout")
     same_layout = saved_layout == _layout_meta()
@@ -316,6 +318,7 @@ def load_checkpoint(
 
     # 3. Scheduler (+ HDET state).
     if scheduler is not None:
+        assert sched_state is not None  # refused in step 1 otherwise
         if is_hdet:
             previous = getattr(scheduler, "override_hdet_config", None)
             if override_hdet_config is not None:

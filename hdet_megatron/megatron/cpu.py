@@ -246,14 +246,17 @@ def install_paged_stash_stub() -> None:
         return
     stub = types.ModuleType(_PAGED_STASH_OPS)
     stub.__doc__ = "hdet_megatron CPU stub: triton kernels are unavailable without CUDA."
-    stub.GLOBAL_BLOCK_SIZE = 1024
 
     def _no_triton(*_args, **_kwargs):
         raise RuntimeError("MoE paged stash needs triton/CUDA; not available on this machine")
 
-    stub.paged_stash_copy_kernel = _no_triton
-    stub.paged_stash_pop_kernel = _no_triton
-    stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
+    # The module's namespace, filled through its dict (ModuleType declares no such attributes).
+    stub.__dict__.update(
+        GLOBAL_BLOCK_SIZE=1024,
+        paged_stash_copy_kernel=_no_triton,
+        paged_stash_pop_kernel=_no_triton,
+        __all__=["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"],
+    )
     sys.modules[_PAGED_STASH_OPS] = stub
 
 
@@ -506,7 +509,7 @@ def install_typing_override() -> bool:
         return False
     import typing_extensions
 
-    typing.override = typing_extensions.override
+    typing.override = typing_extensions.override  # type: ignore[attr-defined]  # 3.12+ in typeshed
     return True
 
 

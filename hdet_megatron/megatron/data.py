@@ -68,7 +68,7 @@ class ByteLevelTokenizer(MegatronTokenizerBase):
         super().__init__(None, {"library": "byte-level", "type": "ByteLevel"})
 
     @property
-    def vocab_size(self) -> int:  # type: ignore[override]
+    def vocab_size(self) -> int:
         return self.BYTES + 1
 
     @property
@@ -116,7 +116,7 @@ class HFTokenizer(MegatronTokenizerBase):
         self._eod = int(eod)
 
     @property
-    def vocab_size(self) -> int:  # type: ignore[override]
+    def vocab_size(self) -> int:
         return len(self._tok)
 
     @property
@@ -190,6 +190,7 @@ def build_tokenizer(
             raise DataError(
                 f"GPT2BPETokenizer needs {' and '.join(missing)} (local GPT-2 vocab.json / merges.txt)"
             )
+        assert vocab_file and merge_file  # (missing ones refused just above)
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
             if not os.path.isfile(path):
                 raise DataError(f"{flag} {path}: no such file")
@@ -269,6 +270,7 @@ def iter_documents(
         stats.files += 1
         stats.file_list.append(path)
         stats.source_bytes += os.path.getsize(path)
+        docs: Iterable[str]
         if path.endswith(JSON_SUFFIXES):
             docs = _json_documents(path, json_keys)
         else:
@@ -581,6 +583,7 @@ def build_gpt_datasets(
 
     blend = None
     if not mock:
+        assert data_path is not None  # callers pass --data-path unless --mock-data
         prefixes, weights = parse_data_path(data_path)
         blend = ([os.path.abspath(p) for p in prefixes], weights)
     config = GPTDatasetConfig(

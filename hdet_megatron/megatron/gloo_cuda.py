@@ -71,7 +71,8 @@ def make_coalescing_manager(upstream):
         finally:
             ops = state.pop(group, [])
         works = [_issue(op, group) for op in ops]
-        coalescing_manager.issued += len(works)
+        # A counter on the function object (typeshed's function type declares no attributes).
+        coalescing_manager.issued += len(works)  # type: ignore[attr-defined]
         if async_ops:
             for work in works:
                 cm.append(work)
@@ -79,7 +80,7 @@ def make_coalescing_manager(upstream):
             for work in works:
                 work.wait()
 
-    coalescing_manager.issued = 0  # collectives issued one by one (for tests)
+    coalescing_manager.issued = 0  # type: ignore[attr-defined]  # collectives issued one by one (for tests)
     setattr(coalescing_manager, _PATCHED, True)
     return coalescing_manager
 

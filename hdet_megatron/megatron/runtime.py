@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from hdet_megatron.averaging import BucketedAverager, Homer, own_storage, protect_module_state_dicts
 from hdet_megatron.config import LINE_SIGNALS, HDETConfig
-from hdet_megatron.controller import AllArmsNonFinite, ControllerUpdate
+from hdet_megatron.controller import AllArmsNonFinite, AutoController, ControllerUpdate
 from hdet_megatron.line_search import LineSearch, run_probe, start_probe_window
 from hdet_megatron.line_signal import fit_line, line_points, persistence
 from hdet_megatron.megatron import cpu as _cpu  # noqa: F401
@@ -172,7 +172,9 @@ def _copying_state_dict(method, homed_ids: set[int]):
             ]
         return state
 
-    state_dict.__wrapped__ = method
+    # What functools.wraps sets (the original, for tests and unwrapping); typeshed's function
+    # type does not declare it.
+    state_dict.__wrapped__ = method  # type: ignore[attr-defined]
     return state_dict
 
 
@@ -192,7 +194,8 @@ def _copying_param_state(method, homed_ids: set[int]):
                             tensors["param"] = own_storage(param)
         return state
 
-    get_parameter_state_dp_reshardable.__wrapped__ = method
+    # __wrapped__: as in _copying_state_dict.
+    get_parameter_state_dp_reshardable.__wrapped__ = method  # type: ignore[attr-defined]
     return get_parameter_state_dp_reshardable
 
 
@@ -224,6 +227,7 @@ class RollbackStore:
     @torch.no_grad()
     def restore(self) -> None:
         saved = self._host if self.directory is None else torch.load(self.path)
+        assert saved is not None  # restore() follows a save()
         for dst, src in zip(self.tensors, saved, strict=True):
             dst.copy_(src)
 
@@ -282,9 +286,11 @@ class HDET:
             )
         self.probe_fn = probe_fn
         self.config = config
-        self.model = list(model) if isinstance(model, (list, tuple)) else [model]
+        # Megatron's model chunks (DDP / FSDP wrappers): untyped, used through their own methods.
+        self.model: list[Any] = list(model) if isinstance(model, (list, tuple)) else [model]
         self.optimizer = optimizer
         self.scheduler = scheduler
+        assert scheduler.layout is not None  # set whenever the scheduler has HDET on (checked above)
         self.layout: ArmLayout = scheduler.layout
         self.loss_keys = tuple(loss_keys)
         self._check_optimizer()
@@ -324,9 +330,16 @@ class HDET:
         scheduler.hdet_runtime = self
         self.on_window_change()
 
+    @property
+    def _controller(self) -> AutoController:
+        """The scheduler's controller (a resume replaces it; HDET's scheduler always has one)."""
+        controller = self.scheduler.controller
+        assert controller is not None
+        return controller
+
     def on_window_change(self) -> None:
         """Apply this arm's module-axis values for the scheduler's current window."""
-        self.module_axes.apply(self.scheduler.controller.scales(), self.scheduler.arm_spread_values())
+        self.module_axes.apply(self._controller.scales(), self.scheduler.arm_spread_values())
 
     # -- extension points (hdet_megatron.megatron.fsdp overrides them) --------------------------
     def _converge_tensors(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -456,6 +469,7 @@ class HDET:
     def _probe_loss(self) -> torch.Tensor | None:
         """This rank's probe loss (None off the last pipeline stage): ``probe_fn`` runs under
         ``torch.no_grad()`` with the model chunks in eval mode (restored afterwards)."""
+        assert self.probe_fn is not None  # __init__ requires it for the signals that probe
         losses = run_probe(self.probe_fn, self.model)
         self._after_probe()
         if not self.layout.is_last_stage:
@@ -506,6 +520,7 @@ class HDET:
         the arm and the pipeline; the same number of calls on every rank."""
         points = line_points(arm_values["lr"])
         rho = arm_values["lr"][self.layout.arm]
+        assert self.line_search is not None  # the line signals have one
         losses = self.line_search.evaluate(points, rho, self._refresh_model_params, self._probe_loss)
         return points, losses
 
@@ -545,7 +560,7 @@ class HDET:
         try:
             # Raises AllArmsNonFinite / NonFiniteArm (on every rank alike) before anything
             # changes, so with nonfinite="raise" nothing diverged is ever averaged or saved.
-            update = self.scheduler.controller.update(
+            update = self._controller.update(
                 arm_losses,
                 arm_values,
                 step=self.iteration,
@@ -574,7 +589,7 @@ class HDET:
             arm_values=arm_values,
             excluded=excluded,
             update=update.to_dict() if update is not None else None,
-            scales=dict(self.scheduler.controller.scales()),
+            scales=dict(self._controller.scales()),
             converge_seconds=converge_seconds,
             converge_bytes=stats.bytes,
             forced=forced,
@@ -593,17 +608,18 @@ class HDET:
     def _roll_back(self, arm_losses, arm_values, forced: bool, train_losses) -> WindowMetrics:
         """Every arm diverged: restore the last converged params and halve the scale."""
         start = time.perf_counter()
+        assert self.rollback is not None  # a rollback needs config.rollback (the store)
         self.rollback.restore()
         self._refresh_model_params()
         _sanitize_optimizer_state(self.optimizer)
-        self.scheduler.controller.cut_scale(0.5)
+        self._controller.cut_scale(0.5)
         self.rollbacks += 1
         logger.warning(
             "HDET: every arm diverged in window %d (losses %s); restored the last converged "
             "parameters and cut the scale to %s",
             self.scheduler.window,
             arm_losses,
-            self.scheduler.controller.scales(),
+            self._controller.scales(),
         )
         metrics = WindowMetrics(
             window=self.scheduler.window,
@@ -613,7 +629,7 @@ class HDET:
             arm_values=arm_values,
             excluded=list(range(len(arm_losses))),
             update=None,
-            scales=dict(self.scheduler.controller.scales()),
+            scales=dict(self._controller.scales()),
             converge_seconds=time.perf_counter() - start,
             converge_bytes=0,
             forced=forced,

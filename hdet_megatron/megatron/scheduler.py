@@ -11,7 +11,7 @@ to plain Megatron.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -67,7 +67,7 @@ def hdet_param_group_overrides(patterns: dict, **override) -> dict:
     return {ParamKey(name=glob): {GROUP_KEY: name, **override} for name, glob in patterns.items()}
 
 
-class HDETOptimizerParamScheduler(OptimizerParamScheduler):
+class HDETOptimizerParamScheduler(OptimizerParamScheduler):  # megatron-core is untyped: an Any base
     """Drop-in for Megatron's ``OptimizerParamScheduler`` that applies HDET's per-arm factors.
 
     Same constructor as the parent plus keyword ``hdet`` (an :class:`HDETConfig`) and optionally
@@ -79,6 +79,9 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
     ``hdet=None`` (the default) is Megatron's ``OptimizerParamScheduler`` exactly: the same
     values at every step, the same ``state_dict``, no process group needed, no collective.
     """
+
+    #: Megatron's step counter (set by the untyped parent; declared for the type checker only).
+    num_steps: int
 
     def __init__(
         self,
@@ -94,7 +97,7 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
         # Set by HDET (the runtime object) so that its window state travels with this state.
         self.hdet_runtime = None
         self.window = 0
-        self._group_axes: list | None = None
+        self._group_axes: list[str | None] | None = None
         self._bases: list[tuple[float, float]] = []
         if hdet is None:
             # HDET off: exactly Megatron's scheduler (same values, same state dict, no process
@@ -131,16 +134,19 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
 
     def _resolve_group_axes(self, optimizer) -> list[str | None]:
         """For each param group, the name of the LR axis that scales it (or None)."""
-        group_axes = [a for a in self.hdet_config.axes if a.group is not None]
+        config = self.hdet_config
+        assert config is not None  # called by __init__ with HDET on
+        group_axes = [a for a in config.axes if a.group is not None]
         groups = optimizer.param_groups
         if not group_axes:
-            has_lr = self.hdet_config.axis("lr") is not None
+            has_lr = config.axis("lr") is not None
             return ["lr" if has_lr else None for _ in groups]
         named = [a for a in group_axes if a.group != "default"]
         default = next((a for a in group_axes if a.group == "default"), None)
         resolved: list[str | None] = []
         for index, group in enumerate(groups):
-            hits = [a.name for a in named if group_matches(a.group, group, self.max_lr)]
+            # cast: group_axes holds only axes with a group.
+            hits = [a.name for a in named if group_matches(cast(str, a.group), group, self.max_lr)]
             if len(hits) > 1:
                 raise HDETSetupError(
                     f"param group {index} is selected by several LR axes {hits}; give each "
@@ -166,6 +172,7 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
         """Use window ``window``'s permutation (and the controller's current scales) from now on,
         re-applying this arm's factors to the base values Megatron's last ``step`` wrote."""
         self._require_hdet("set_window")
+        assert self.hdet_config is not None and self.layout is not None  # HDET on (just checked)
         self.window = window
         self._spread = arm_spread(self.hdet_config, self.layout.num_arms, window)
         self._apply_factors()
@@ -183,12 +190,15 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
         axis = self.hdet_config.axis(axis_name) if self.hdet_config is not None else None
         if axis is None:
             return 1.0
+        assert self.layout is not None and self.controller is not None  # HDET on (has an axis)
         arm = self.layout.arm if arm is None else arm
         return self.controller.scale(axis_name) * self._spread[axis_name][arm]
 
     def _apply(self, name: str | None, base: float) -> float:
+        # Only with HDET on (after __init__ resolved the group axes).
+        assert self.hdet_config is not None and self.layout is not None and self.controller is not None
         axis = self.hdet_config.axis(name) if name is not None else None
-        if axis is None:
+        if name is None or axis is None:
             return base
         return arm_axis_value(axis, base, self.controller.scale(name), self._spread[name][self.layout.arm])
 
@@ -216,6 +226,7 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
         groups = self.optimizer.param_groups
         values = {}
         for axis in self.hdet_config.axes if self.hdet_config is not None else ():
+            assert self._group_axes is not None  # resolved in __init__ with HDET on
             if axis.name == "weight_decay":
                 values[axis.name] = self.get_wd(groups[0] if groups else None)
             elif axis.name.startswith("lr"):
@@ -242,12 +253,14 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):
         self._apply_factors()
 
     def _check_groups(self) -> None:
+        assert self._group_axes is not None  # only once __init__ resolved them
         if len(self._group_axes) != len(self.optimizer.param_groups):
             raise HDETSetupError("the optimizer's param groups changed after the HDET scheduler was built")
 
     def _apply_factors(self) -> None:
         """This arm's ``lr`` and ``weight_decay`` from the base values of Megatron's last step."""
         self._check_groups()
+        assert self._group_axes is not None  # (checked just above)
         for group, lr_axis, (lr, wd) in zip(
             self.optimizer.param_groups, self._group_axes, self._bases, strict=True
         ):

@@ -29,6 +29,7 @@ import os
 import sys
 import threading
 from collections import Counter
+from types import FrameType
 
 import torch
 import torch.distributed as dist
@@ -94,7 +95,7 @@ class HostSyncCounter:
         self._local = threading.local()
 
     def _from_package(self) -> bool:
-        frame = sys._getframe(2)  # the caller of the wrapped function
+        frame: FrameType | None = sys._getframe(2)  # the caller of the wrapped function
         while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
             frame = frame.f_back  # a torch helper: whoever called it decides
         if frame is None:

@@ -153,8 +153,10 @@ def use_prebuilt_dataset_helpers() -> bool:
         """Megatron's compile_helpers, skipped: the wheel's prebuilt helpers_cpp is used."""
         return None
 
-    compile_helpers._hdet_prebuilt = True
-    compile_helpers._hdet_upstream = upstream
+    # Markers on the function object (read above and by tests); typeshed's function type has no
+    # such attributes.
+    compile_helpers._hdet_prebuilt = True  # type: ignore[attr-defined]
+    compile_helpers._hdet_upstream = upstream  # type: ignore[attr-defined]
     dataset_utils.compile_helpers = compile_helpers
     return True
 
@@ -187,9 +189,10 @@ def on_setup(model, optimizer, opt_param_scheduler) -> None:
 
     if _STATE.runtime is not None:
         _STATE.runtime.close()
-    config = opt_param_scheduler.hdet_config
-    hdet = HDET(config, model, optimizer, opt_param_scheduler)
+    # A scheduler built with hdet=None has no config: HDET refuses it with an HDETSetupError.
+    hdet = HDET(opt_param_scheduler.hdet_config, model, optimizer, opt_param_scheduler)  # type: ignore[arg-type]
     _STATE.runtime = hdet
+    config = hdet.config
     layout = hdet.layout
     axes = ", ".join(f"{a.name}:{a.spread:g}" for a in config.axes)
     _print0(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import torch
 
@@ -91,7 +92,9 @@ def _rng_state() -> dict:
 
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    # legacy=True (the default) returns the tuple form; numpy types it as tuple | dict.
+    legacy_state = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
+    name, keys, pos, has_gauss, gauss = legacy_state
     state = {
         "random": random.getstate(),
         "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
