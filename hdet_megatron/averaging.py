@@ -52,6 +52,7 @@ from torch.utils.hooks import RemovableHandle
 __all__ = [
     "AverageStats",
     "BucketedAverager",
+    "GroupedAverager",
     "Homer",
     "home_reason",
     "own_storage",
@@ -629,6 +630,64 @@ class BucketedAverager:
             f"homed={self.homed_numel}, buckets={self.num_buckets}, "
             f"bucket_bytes={self.bucket_bytes}, group_size={self.group_size}, device={self.device})"
         )
+
+
+class GroupedAverager:
+    """One converge over several :class:`BucketedAverager` s, each averaging its tensors over its
+    own process group (e.g. a MoE model's dense params over the data-parallel group and its
+    expert params over the expert-data-parallel group, so that only copies of the same tensor
+    are ever averaged together). Same interface as one averager; the parts run in order."""
+
+    def __init__(self, parts: Sequence[BucketedAverager]) -> None:
+        if not parts:
+            raise ValueError("GroupedAverager needs at least one BucketedAverager")
+        self.parts = list(parts)
+
+    def average(self, weights: None | float | torch.Tensor = None) -> AverageStats:
+        """Average every part (see :meth:`BucketedAverager.average`). Weighted: the weight sums
+        agree when every part's group holds one rank per arm; all-zero weights raise in the
+        first part, before any tensor is touched."""
+        stats = [part.average(weights) for part in self.parts]
+        return AverageStats(
+            bytes=sum(s.bytes for s in stats),
+            num_buckets=sum(s.num_buckets for s in stats),
+            seconds=sum(s.seconds for s in stats),
+            weighted=stats[0].weighted,
+            weight_sum=stats[0].weight_sum,
+        )
+
+    __call__ = average
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for part in self.parts for t in part.tensors]
+
+    @property
+    def homed_tensors(self) -> list[torch.Tensor]:
+        return [t for part in self.parts for t in part.homed_tensors]
+
+    @property
+    def numel(self) -> int:
+        return sum(part.numel for part in self.parts)
+
+    @property
+    def homed_numel(self) -> int:
+        return sum(part.homed_numel for part in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    @property
+    def num_buckets(self) -> int:
+        return sum(part.num_buckets for part in self.parts)
+
+    @property
+    def buffer_nbytes(self) -> int:
+        return sum(part.buffer_nbytes for part in self.parts)
+
+    def __repr__(self) -> str:
+        return f"GroupedAverager({self.parts!r})"
 
 
 _ALL_ZERO = (

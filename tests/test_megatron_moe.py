@@ -6,7 +6,7 @@ import pytest
 
 from hdet_megatron.megatron import mesh
 from tests.harness import run_world
-from tests.moe_worker import layout_cases
+from tests.moe_worker import layout_cases, moe_cases
 
 
 def test_valid_arm_counts_keep_expert_groups_whole():
@@ -54,3 +54,54 @@ def test_expert_parallel_layouts_are_refused_or_chosen_before_the_first_step():
             assert err.startswith("error: HDET cannot place arms on this mesh"), err
             assert out[(name, 1)]["arms"] == 1
             assert "use arms in [1]" in out[(name, 2)]
+
+
+def _check_converges(name: str, results: list[dict], holders: dict[int, tuple[int, ...]]) -> int:
+    """After every converge: dense params identical on all ranks, each expert identical on the
+    ranks holding it, different experts never equal; mid-window the arms differ. Returns the
+    number of converges checked."""
+    runs = [r[name] for r in results]
+    arm = [run["arm"] for run in runs]
+    converges = 0
+    for step, entries in enumerate(zip(*(run["steps"] for run in runs), strict=True)):
+        # Expert param groups follow their arm's LR: every group of a rank has one LR.
+        for entry in entries:
+            assert any(e for e, _ in entry["lrs"]) and len({lr for _, lr in entry["lrs"]}) == 1, entry["lrs"]
+        lr_of_arm = {a: e["lrs"][0][1] for a, e in zip(arm, entries, strict=True)}
+        assert len(set(lr_of_arm.values())) == len(lr_of_arm), (name, step, lr_of_arm)
+        experts = {}
+        for rank, entry in enumerate(entries):
+            for e, d in entry["experts"].items():
+                experts.setdefault(e, {})[rank] = d
+        assert {e: tuple(sorted(v)) for e, v in experts.items()} == holders
+        if entries[0]["converged"]:
+            converges += 1
+            assert len({e["dense"] for e in entries}) == 1, (name, step)
+            for e, by_rank in experts.items():
+                assert len(set(by_rank.values())) == 1, (name, step, e, by_rank)
+            distinct = {next(iter(v.values())) for v in experts.values()}
+            assert len(distinct) == len(experts), (name, step, "different experts are equal")
+        else:
+            # Mid-window: arms differ, in dense params and in each expert's copies.
+            assert len({e["dense"] for e in entries}) == len(set(arm)), (name, step)
+            for e, by_rank in experts.items():
+                assert len(set(by_rank.values())) == len({arm[r] for r in by_rank}), (name, step, e)
+    return converges
+
+
+@pytest.mark.slow
+def test_expert_parallel_global_mode_averages_each_expert_only_with_its_copies():
+    cases = {
+        "alltoall_default_arms": dict(moe_token_dispatcher_type="alltoall"),
+        "allgather_arms2": dict(moe_token_dispatcher_type="allgather", arms=2),
+    }
+    results = run_world(4, moe_cases, cases, timeout=400)
+    # DP4 EP2: ranks 0/2 hold experts 0,1 and ranks 1/3 experts 2,3 (expert-DP (0,2),(1,3)).
+    holders = {0: (0, 2), 1: (0, 2), 2: (1, 3), 3: (1, 3)}
+    for name in cases:
+        for rank, out in enumerate(results):
+            run = out[name]
+            assert run["arms"] == 2 and run["arm"] == rank // 2
+            assert run["cross"] == run["expert_cross"] == ((0, 2) if rank % 2 == 0 else (1, 3))
+            assert run["expert_main_params"] > 0 and run["averager_parts"] == [2, 2]
+        assert _check_converges(name, results, holders) == 2

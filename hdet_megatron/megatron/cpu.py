@@ -65,9 +65,18 @@ class _CpuStream:
     def synchronize(self) -> None:
         return None
 
+    def record_event(self, *_args, **_kwargs) -> _CpuStream:
+        # An event recorded on a CPU "stream" is already complete; ``synchronize`` is a no-op.
+        return self
+
+
+_CPU_STREAM = _CpuStream()
+
 
 def _cpu_stream(*_args, **_kwargs) -> _CpuStream:
-    return _CpuStream()
+    # One object: code that compares streams (``current_stream() != side_stream``) sees that on
+    # CPU there is only one.
+    return _CPU_STREAM
 
 
 def _nullcontext(*_args, **_kwargs):
@@ -210,6 +219,44 @@ SOURCE_REWRITES: tuple[SourceRewrite, ...] = (
             ),
         ),
     ),
+    # MoE alltoall dispatcher: a side stream for the device-to-host copies of the token
+    # splits (on CPU they are already host tensors and every op is ordered).
+    SourceRewrite(
+        "megatron.core.transformer.moe.token_dispatcher",
+        "MoEAlltoAllTokenDispatcher.__init__",
+        (("torch.cuda.Stream()", "_hdet_cpu_stream()"),),
+    ),
+    SourceRewrite(
+        "megatron.core.transformer.moe.token_dispatcher",
+        "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+        (
+            ("torch.cuda.current_stream()", "_hdet_cpu_stream()"),
+            ("torch.cuda.stream(", "_hdet_nullcontext("),
+        ),
+    ),
+    # Tensor-parallel communication buffers (sequence parallel, MoE token dispatch).
+    SourceRewrite("megatron.core.tensor_parallel.mappings", "_gather_along_last_dim", _CURRENT_DEVICE),
+    SourceRewrite("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim", _CURRENT_DEVICE),
+    SourceRewrite(
+        "megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim", _CURRENT_DEVICE
+    ),
+    SourceRewrite("megatron.core.tensor_parallel.mappings", "_AllToAll.forward", _CURRENT_DEVICE),
+    SourceRewrite(
+        "megatron.core.tensor_parallel.layers",
+        "LinearWithGradAccumulationAndAsyncCommunication.backward",
+        _CURRENT_DEVICE,
+    ),
+    # MoE alltoall dispatcher: the token splits are moved to the host (as numpy arrays, the form
+    # ``all_to_all_single`` takes) only when they are CUDA tensors; on CPU convert them alike.
+    SourceRewrite(
+        "megatron.core.transformer.moe.moe_utils",
+        "maybe_move_tensor_to_cpu",
+        (("if torch.is_tensor(tensor) and tensor.is_cuda:", "if torch.is_tensor(tensor):"),),
+    ),
+    # MoE router: the gate weight is moved to the current CUDA device before every gating
+    # matmul, and the router's token-count / expert-bias buffers are created there.
+    SourceRewrite("megatron.core.transformer.moe.router", "Router.gating", _CURRENT_DEVICE),
+    SourceRewrite("megatron.core.transformer.moe.router", "TopKRouter.__init__", _CURRENT_DEVICE),
     # dist_checkpointing (torch_dist) save: device-to-host staging ends with a CUDA sync.
     SourceRewrite(
         "megatron.core.dist_checkpointing.strategies.filesystem_async",

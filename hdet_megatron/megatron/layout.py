@@ -85,6 +85,21 @@ class ArmLayout:
     """This rank contributes its replica's loss: last pipeline stage, TP rank 0."""
     is_last_stage: bool
     """Last pipeline stage (``forward_backward_func`` returns losses here only)."""
+    grad_arm_ranks: tuple[int, ...] = ()
+    """This arm's ranks of the dense gradient-reduction group (data parallel with context
+    parallel, Megatron DDP's ``dp_cp`` group); equal to :attr:`arm_ranks` without CP."""
+    grad_arm_group: dist.ProcessGroup | None = None
+    """Group of :attr:`grad_arm_ranks` (``grad_sync="arm"`` reduces dense gradients over it)."""
+    expert_arm_ranks: tuple[int, ...] = ()
+    """This arm's ranks of the expert-data-parallel group (they hold copies of this rank's
+    experts; ``grad_sync="arm"`` reduces expert gradients over them)."""
+    expert_arm_group: dist.ProcessGroup | None = None
+    """Group of :attr:`expert_arm_ranks`."""
+    expert_cross_arm_ranks: tuple[int, ...] = ()
+    """Ranks of the expert-data-parallel group at this rank's position in every arm: they hold
+    the same experts (and DistOpt shard); converge averages expert main params over these."""
+    expert_cross_arm_group: dist.ProcessGroup | None = None
+    """Group of :attr:`expert_cross_arm_ranks`."""
 
     @classmethod
     def single(cls) -> ArmLayout:
@@ -103,6 +118,9 @@ class ArmLayout:
             loss_group=None,
             is_loss_reporter=True,
             is_last_stage=True,
+            grad_arm_ranks=(0,),
+            expert_arm_ranks=(0,),
+            expert_cross_arm_ranks=(0,),
         )
 
     @classmethod
@@ -117,6 +135,8 @@ class ArmLayout:
             dp_group, tp_group, pp_group = pg_collection.dp, pg_collection.tp, pg_collection.pp
             cp_size = pg_collection.cp.size() if getattr(pg_collection, "cp", None) else 1
             expert_group = getattr(pg_collection, "tp_ep", None)
+            dp_cp_group = getattr(pg_collection, "dp_cp", None) or dp_group
+            expert_dp_group = getattr(pg_collection, "expt_dp", None)
         else:
             if not parallel_state.model_parallel_is_initialized():
                 raise HDETSetupError(
@@ -130,36 +150,54 @@ class ArmLayout:
             cp_size = parallel_state.get_context_parallel_world_size()
             # The ranks that hold one replica's experts (expert TP x EP) and exchange its tokens.
             expert_group = parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False)
+            # Megatron DDP's gradient-reduction groups: dense params over DP x CP, expert params
+            # over expert-DP (``DistributedDataParallel.__init__``: ``dp_cp_group``, ``expt_dp_group``).
+            dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            expert_dp_group = parallel_state.get_expert_data_parallel_group(check_initialized=False)
         if cp_size != 1:
             raise HDETSetupError(f"context parallel size {cp_size} is not supported by HDET yet; use CP=1")
         dp_ranks = tuple(dist.get_process_group_ranks(dp_group))
         dp_size = len(dp_ranks)
         dp_rank = dp_ranks.index(dist.get_rank())
         expert_ranks = tuple(dist.get_process_group_ranks(expert_group)) if expert_group is not None else ()
+        dp_cp_ranks = tuple(dist.get_process_group_ranks(dp_cp_group))
+        # Without expert groups (no MoE initialized) expert params, if any, sync like dense ones.
+        expert_dp_ranks = (
+            tuple(dist.get_process_group_ranks(expert_dp_group))
+            if expert_dp_group is not None
+            else dp_cp_ranks
+        )
 
         # Every rank must create every group in the same order: learn every rank's groups first.
         mesh: list = [None] * dist.get_world_size()
-        dist.all_gather_object(mesh, (dp_ranks, expert_ranks))
+        dist.all_gather_object(mesh, (dp_ranks, expert_ranks, dp_cp_ranks, expert_dp_ranks))
         dp_group_of = {r: m[0] for r, m in enumerate(mesh)}
         expert_groups = [m[1] for m in mesh if m[1]]
         num_arms = _choose_arms(arms, dp_group_of, expert_groups)
-        all_dp_groups = [m[0] for m in mesh]
         per_arm = dp_size // num_arms
         arm = dp_rank // per_arm
+        arms_of = _mesh.arm_map(dp_group_of, num_arms)
 
-        arm_group = cross_group = None
-        arm_ranks = cross_ranks = ()
-        for group_ranks in sorted(set(all_dp_groups)):
-            for offset in range(per_arm):
-                ranks = group_ranks[offset::per_arm]
-                group = dist.new_group(list(ranks))
-                if dist.get_rank() in ranks:
-                    cross_group, cross_ranks = group, ranks
-            for a in range(num_arms):
-                ranks = group_ranks[a * per_arm : (a + 1) * per_arm]
-                group = dist.new_group(list(ranks))
-                if dist.get_rank() in ranks:
-                    arm_group, arm_ranks = group, ranks
+        def subsets(r: int) -> dict[str, tuple[int, ...]]:
+            dp, _, dp_cp, edp = mesh[r]
+            try:
+                return {
+                    "arm": _mesh.arm_subset(arms_of, dp, arms_of[r]),
+                    "cross": _mesh.cross_arm_subset(arms_of, dp, r),
+                    "grad_arm": _mesh.arm_subset(arms_of, dp_cp, arms_of[r]),
+                    "expert_arm": _mesh.arm_subset(arms_of, edp, arms_of[r]),
+                    "expert_cross": _mesh.cross_arm_subset(arms_of, edp, r),
+                }
+            except ValueError as exc:  # an expert-DP group the arms split unevenly
+                raise HDETSetupError(
+                    f"HDET arms={num_arms} cannot split this mesh's groups evenly: {exc}"
+                ) from exc
+
+        every = [subsets(r) for r in range(len(mesh))]
+        mine = every[dist.get_rank()]
+        groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for ranks in sorted({ranks for s in every for ranks in s.values()}):
+            groups[ranks] = dist.new_group(list(ranks))
 
         is_last_stage = pp_group.rank() == pp_group.size() - 1
         return cls(
@@ -168,13 +206,19 @@ class ArmLayout:
             dp_size=dp_size,
             dp_rank=dp_rank,
             replicas_per_arm=per_arm,
-            arm_ranks=tuple(arm_ranks),
-            cross_arm_ranks=tuple(cross_ranks),
-            arm_group=arm_group,
-            cross_arm_group=cross_group,
+            arm_ranks=mine["arm"],
+            cross_arm_ranks=mine["cross"],
+            arm_group=groups[mine["arm"]],
+            cross_arm_group=groups[mine["cross"]],
             loss_group=dist.group.WORLD,
             is_loss_reporter=is_last_stage and tp_group.rank() == 0,
             is_last_stage=is_last_stage,
+            grad_arm_ranks=mine["grad_arm"],
+            grad_arm_group=groups[mine["grad_arm"]],
+            expert_arm_ranks=mine["expert_arm"],
+            expert_arm_group=groups[mine["expert_arm"]],
+            expert_cross_arm_ranks=mine["expert_cross"],
+            expert_cross_arm_group=groups[mine["expert_cross"]],
         )
 
     def check_distributed_optimizer(self, num_instances: int) -> None:

@@ -27,7 +27,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hdet_megatron.averaging import BucketedAverager, Homer, own_storage, protect_module_state_dicts
+from hdet_megatron.averaging import (
+    BucketedAverager,
+    GroupedAverager,
+    Homer,
+    own_storage,
+    protect_module_state_dicts,
+)
 from hdet_megatron.config import LINE_SIGNALS, HDETConfig
 from hdet_megatron.controller import AllArmsNonFinite, AutoController, ControllerUpdate
 from hdet_megatron.line_search import LineSearch, run_probe, start_probe_window
@@ -122,6 +128,21 @@ def main_params(optimizer) -> list[torch.Tensor]:
         for group in sub.optimizer.param_groups:
             tensors.extend(group["params"])
     return tensors
+
+
+@torch.no_grad()
+def main_param_is_expert(optimizer) -> list[bool]:
+    """For each tensor of :func:`main_params` (same order): is it an expert-parallel (MoE
+    expert) param? ``get_megatron_optimizer`` puts expert params in their own param groups,
+    marked ``is_expert_parallel`` (``_get_param_groups``, from ``param.allreduce == False``),
+    and builds a separate (chained) optimizer for them; the groups keep the key."""
+    flags: list[bool] = []
+    for sub in _sub_optimizers(optimizer):
+        if getattr(sub, "is_stub_optimizer", False):
+            continue
+        for group in sub.optimizer.param_groups:
+            flags.extend([bool(group.get("is_expert_parallel", False))] * len(group["params"]))
+    return flags
 
 
 @torch.no_grad()
@@ -298,12 +319,7 @@ class HDET:
         # The tensors converge averages (subclasses: e.g. local shards of FSDP2 DTensors).
         self._main_params = self._converge_tensors(main_params(optimizer))
         averaged, homer = self._averaged_tensors()
-        self.averager = BucketedAverager(
-            averaged,
-            group=self.layout.cross_arm_group,
-            bucket_mb=config.bucket_mb,
-            home=homer if config.home_main_params else False,
-        )
+        self.averager = self._build_averager(averaged, homer)
         # Homing may replace tensor objects (FSDP2 local shards): read them again.
         self._main_params = self._converge_tensors(main_params(optimizer))
         self._protect_state_dicts()
@@ -348,6 +364,26 @@ class HDET:
 
     def _after_probe(self) -> None:
         """After every probe forward (FSDP2 chunks reshard what it left gathered)."""
+
+    def _build_averager(self, averaged: list[torch.Tensor], homer: Homer) -> GroupedAverager:
+        """The converge's averager: dense main params across arms over the cross-arm subset of
+        the data-parallel group, expert main params (MoE) over the cross-arm subset of the
+        expert-data-parallel group, so every tensor is averaged only with copies of itself
+        (ranks of one expert-parallel group hold different experts). Every rank of either group
+        has tensors of its class or none (they share the pipeline stage), so the parts agree."""
+        expert = main_param_is_expert(self.optimizer)
+        home = homer if self.config.home_main_params else False
+        if len(expert) != len(averaged):
+            raise RuntimeError(f"internal: {len(averaged)} averaged tensors, {len(expert)} param classes")
+        expert_group = self.layout.expert_cross_arm_group or self.layout.cross_arm_group
+        parts = []
+        for is_expert, group in ((False, self.layout.cross_arm_group), (True, expert_group)):
+            tensors = [t for t, e in zip(averaged, expert) if e == is_expert]
+            if tensors:
+                parts.append(
+                    BucketedAverager(tensors, group=group, bucket_mb=self.config.bucket_mb, home=home)
+                )
+        return GroupedAverager(parts)
 
     def _make_grad_sync(self):
         """The object that installs ``config.grad_sync`` on the model chunks."""

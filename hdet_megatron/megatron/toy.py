@@ -80,6 +80,19 @@ class ToyGPTSetup:
     differ from the CPU run's but agree across DP replicas). Needs CUDA; CPU shims then off."""
     transformer_impl: str = "local"
     """Layer spec: ``local`` (Megatron-Core modules) or ``transformer_engine`` (needs TE + CUDA)."""
+    num_experts: int | None = None
+    """MoE: experts per MoE layer (every layer's MLP; the local spec's ``SequentialMLP``);
+    None for a dense GPT."""
+    moe_router_topk: int = 2
+    """MoE: experts each token is routed to."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """MoE: ``alltoall`` or ``allgather`` token dispatcher."""
+    ep: int = 1
+    """Expert-model-parallel size (experts split across consecutive data-parallel ranks)."""
+    etp: int | None = None
+    """Expert-tensor-parallel size (None: Megatron's default, the TP size)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (needs TP > 1; MoE with TP x EP requires it)."""
 
 
 def init_parallel(setup: ToyGPTSetup) -> None:
@@ -89,6 +102,8 @@ def init_parallel(setup: ToyGPTSetup) -> None:
         tensor_model_parallel_size=setup.tp,
         pipeline_model_parallel_size=setup.pp,
         num_distributed_optimizer_instances=setup.num_distributed_optimizer_instances,
+        expert_model_parallel_size=setup.ep,
+        expert_tensor_parallel_size=setup.etp,
         **setup.extra_parallel_kwargs,
     )
     # Same CPU seed on every rank: weights are initialized on the CPU generator, identically on
@@ -128,6 +143,22 @@ def transformer_config(setup: ToyGPTSetup) -> TransformerConfig:
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        sequence_parallel=setup.sequence_parallel,
+        **_moe_config(setup),
+    )
+
+
+def _moe_config(setup: ToyGPTSetup) -> dict:
+    if setup.num_experts is None:
+        return {}
+    return dict(
+        num_moe_experts=setup.num_experts,
+        moe_router_topk=setup.moe_router_topk,
+        moe_token_dispatcher_type=setup.moe_token_dispatcher_type,
+        expert_model_parallel_size=setup.ep,
+        expert_tensor_parallel_size=setup.etp,
+        # No auxiliary load-balancing loss: the loss the arms compare is the LM loss alone.
+        moe_aux_loss_coeff=0.0,
     )
 
 
@@ -139,7 +170,8 @@ def layer_spec(setup: ToyGPTSetup):
         return get_gpt_layer_with_transformer_engine_spec()
     if setup.transformer_impl != "local":
         raise ValueError(f"transformer_impl={setup.transformer_impl!r}: use 'local' or 'transformer_engine'")
-    return get_gpt_layer_local_spec()
+    # SequentialMLP experts (moe_grouped_gemm=False): the grouped GEMM needs Transformer Engine.
+    return get_gpt_layer_local_spec(num_experts=setup.num_experts, moe_grouped_gemm=False)
 
 
 def build_model(setup: ToyGPTSetup, ddp_group_kwargs: dict | None = None) -> list:
