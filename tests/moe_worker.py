@@ -90,14 +90,24 @@ def moe_train(rank: int, world_size: int, case: dict) -> dict:
     steps, period = case.pop("steps", 5), case.pop("period", 2)
     arms, grad_sync = case.pop("arms", None), case.pop("grad_sync", "global")
     count_bytes = case.pop("count_bytes", False)
-    setup = toy.ToyGPTSetup(num_experts=4, num_layers=2, lr=1e-2, ep=2, **case)
+    spread = case.pop("spread", 0.5)
+    # "arm data": the data stream of a replica's position inside its arm, so every arm sees the
+    # same data (arm mode then computes the same gradients as global mode).
+    arm_data = case.pop("arm_data", False)
+    optimizer_kwargs = case.pop("optimizer", {})
+    return_params = case.pop("return_params", False)
+    case.setdefault("ep", 2)
+    if case.get("use_distributed_optimizer"):
+        case.setdefault("num_distributed_optimizer_instances", arms or 2)
+    setup = toy.ToyGPTSetup(num_experts=4, num_layers=2, lr=1e-2, **case)
     out: dict = {"steps": []}
     with toy.parallel(setup):
         model = toy.build_model(setup)
-        optimizer = toy.build_optimizer(setup, model)
-        data = toy.synthetic_batches(setup, seed=ps.get_data_parallel_rank())
+        optimizer = toy.build_optimizer(setup, model, **optimizer_kwargs)
+        dp_rank = ps.get_data_parallel_rank()
+        data = toy.synthetic_batches(setup, seed=dp_rank % (arms or 2) if arm_data else dp_rank)
         config = HDETConfig(
-            period=period, arms=arms, grad_sync=grad_sync, axes=(Axis("lr", 0.5),), auto=False
+            period=period, arms=arms, grad_sync=grad_sync, axes=(Axis("lr", spread),), auto=False
         )
         scheduler = HDETOptimizerParamScheduler(
             optimizer, hdet=config, **toy.scheduler_kwargs(setup, steps, 0)
@@ -105,6 +115,7 @@ def moe_train(rank: int, world_size: int, case: dict) -> dict:
         hdet = HDET(config, model, optimizer, scheduler)
         layout = hdet.layout
         out.update(
+            tp_rank=ps.get_tensor_model_parallel_rank(),
             arm=layout.arm,
             arms=layout.num_arms,
             cross=layout.cross_arm_ranks,
@@ -149,6 +160,20 @@ def moe_train(rank: int, world_size: int, case: dict) -> dict:
                 }
             )
         out["grad_cross_bytes"] = grad_cross_bytes
+        out["expert_scaling"] = sorted(
+            {
+                b.gradient_scaling_factor
+                for c in model
+                for g in c.expert_parallel_bucket_groups
+                for b in g.buckets
+            }
+        )
+        if return_params:
+            experts, dense = _expert_and_dense(model)
+            out["params"] = {
+                "dense": [p.detach().float().clone() for p in dense],
+                "experts": {e: [p.detach().float().clone() for p in v] for e, v in experts.items()},
+            }
         hdet.close()
     return out
 

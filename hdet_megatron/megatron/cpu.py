@@ -19,6 +19,9 @@ about 25% per step). Instead each shim targets one *named* megatron function:
   no run-time cost over the original. Each rewrite asserts that every pattern it replaces is
   still in the upstream source, so an upstream change fails loudly instead of silently.
 
+* E. sequence parallelism with the local spec's LayerNorm (Apex is absent): see
+  :func:`_install_sequence_parallel_norm`.
+
 ``tests/test_cpu_shims.py`` proves each shim is still needed.
 """
 
@@ -404,6 +407,36 @@ def _install_rng_shims() -> None:
     # torch.cuda.manual_seed is a queued lazy call without CUDA and needs nothing.
 
 
+def _install_sequence_parallel_norm() -> None:
+    """Shim E: sequence parallelism with the local layer spec's LayerNorm.
+
+    Without Apex (never installed on these machines) the local spec's ``LNImpl`` is
+    ``torch_norm.WrappedTorchNorm``, which asserts ``not config.sequence_parallel``; TP x EP MoE
+    layers require sequence parallelism. Apex's ``FusedLayerNorm`` does what this shim does: the
+    norm itself is the plain one (each TP rank normalizes its own sequence shard, so it is the
+    same computation), and its params are marked ``sequence_parallel`` so that
+    ``finalize_model_grads`` (``_allreduce_non_tensor_model_parallel_grads``) sums their
+    gradients over the TP group, as it does for FusedLayerNorm."""
+    from megatron.core.transformer import torch_norm
+
+    original = torch_norm.WrappedTorchNorm.__dict__["__new__"]
+    _STATE.rewritten["transformer.torch_norm.WrappedTorchNorm.__new__"] = original
+
+    def __new__(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, eps, *args, **kwargs)
+        config.sequence_parallel = False  # only to pass upstream's assert; restored below
+        try:
+            norm = original(cls, config, hidden_size, eps, *args, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
 def _install_source_rewrites() -> None:
     for rewrite in SOURCE_REWRITES:
         original, _ = _compile_rewrite(rewrite)
@@ -432,6 +465,7 @@ def apply_cpu_shims(force: bool = False) -> bool:
         )
     _install_rng_shims()
     _install_source_rewrites()
+    _install_sequence_parallel_norm()
     _STATE.applied = True
     return True
 

@@ -16,7 +16,10 @@ bucket group in ``_ParamAndGradBucketGroup.start_grad_sync``
 after scaling each bucket's grads by ``bucket.gradient_scaling_factor`` (1/DP unless
 ``average_in_collective``). In ``arm`` mode we point the first at the arm's group, drop the
 inter-instance all-reduce (each instance *is* an arm, see ``ArmLayout.check_distributed_optimizer``)
-and rescale to 1/(replicas per arm). ``uninstall`` restores every attribute.
+and rescale to 1/(ranks of the arm). MoE expert params live in DDP's
+``expert_parallel_bucket_groups``, reduced over the expert-data-parallel group: in ``arm`` mode
+over its ranks inside the arm (``ArmLayout.expert_arm_group``), with the same rescaling. Dense
+grads reduce over the arm's DP x CP ranks (``ArmLayout.grad_arm_group``). ``uninstall`` restores every attribute.
 """
 
 from __future__ import annotations
@@ -50,7 +53,13 @@ class ArmGradSync:
     def install(self) -> None:
         if self.mode == "global" or self.installed:
             return
-        per_arm = self.layout.replicas_per_arm
+        layout = self.layout
+        # Megatron scales every bucket by 1/|DP x CP| (dense and expert alike, unless
+        # average_in_collective): the sum over the whole group is the mean gradient. Inside an
+        # arm the sum covers the arm's DP x CP ranks (expert grads: the arm's expert-DP ranks,
+        # whose experts already saw the tokens of the arm's EP peers), so the mean is 1/|arm|.
+        expected = 1.0 / (len(layout.grad_arm_ranks) * layout.num_arms)
+        arm_scale = 1.0 / len(layout.grad_arm_ranks)
         for chunk in self.model:
             bucket_groups = getattr(chunk, "bucket_groups", None)
             if bucket_groups is None:
@@ -58,31 +67,38 @@ class ArmGradSync:
                     "grad_sync='arm' needs Megatron DistributedDataParallel model chunks "
                     f"(got {type(chunk).__name__})"
                 )
-            if getattr(chunk, "expert_parallel_bucket_groups", None):
-                raise HDETSetupError("grad_sync='arm' does not support MoE expert parameters yet")
-            for group in bucket_groups:
-                config = group.ddp_config
-                if self.distributed_optimizer:
-                    if config.num_distributed_optimizer_instances > 1:
-                        # One instance per arm: keep the reduce-scatter inside the instance,
-                        # skip the all-reduce across instances (= across arms).
-                        self._set(
-                            group,
-                            "ddp_config",
-                            dataclasses.replace(config, num_distributed_optimizer_instances=1),
-                        )
-                else:
-                    self._set(group, "data_parallel_group", self.layout.arm_group)
-                if not config.average_in_collective:
-                    for bucket in group.buckets:
-                        expected = 1.0 / self.layout.dp_size
-                        if abs(bucket.gradient_scaling_factor - expected) > 1e-12 * expected:
-                            raise HDETSetupError(
-                                "grad_sync='arm': unexpected DDP gradient scaling factor "
-                                f"{bucket.gradient_scaling_factor} (expected 1/DP = {expected}); "
-                                "per-token loss or context parallelism is not supported here"
-                            )
-                        self._set(bucket, "gradient_scaling_factor", 1.0 / per_arm)
+            expert_groups = getattr(chunk, "expert_parallel_bucket_groups", None) or []
+            for groups, arm_group in (
+                (bucket_groups, layout.grad_arm_group),
+                (expert_groups, layout.expert_arm_group),
+            ):
+                for group in groups:
+                    self._install_group(group, arm_group, expected, arm_scale)
+
+    def _install_group(self, group, arm_group, expected: float, arm_scale: float) -> None:
+        config = group.ddp_config
+        if self.distributed_optimizer:
+            if config.num_distributed_optimizer_instances > 1:
+                # One instance per arm (dense and expert instance groups are checked against the
+                # arm by ArmLayout.check_distributed_optimizer): keep the reduce-scatter inside
+                # the instance, skip the all-reduce across instances (= across arms).
+                self._set(
+                    group, "ddp_config", dataclasses.replace(config, num_distributed_optimizer_instances=1)
+                )
+        else:
+            self._set(group, "data_parallel_group", arm_group)
+        if not config.average_in_collective:
+            for bucket in group.buckets:
+                if abs(bucket.gradient_scaling_factor - expected) > 1e-12 * expected:
+                    raise HDETSetupError(
+                        "grad_sync='arm': unexpected DDP gradient scaling factor "
+                        f"{bucket.gradient_scaling_factor} (expected 1/(DP x CP) = {expected}); "
+                        "per-token loss (calculate_per_token_loss) is not supported here"
+                    )
+                self._set(bucket, "gradient_scaling_factor", arm_scale)
+        # average_in_collective: dense buckets are unscaled and averaged over the (arm) group;
+        # expert buckets are pre-scaled by |expert DP| / |DP x CP|, which is the same ratio
+        # inside one arm, and averaged over the arm's expert-DP ranks: nothing to change.
 
     def uninstall(self) -> None:
         for obj, attr, value in reversed(self._saved):

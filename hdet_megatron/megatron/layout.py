@@ -222,7 +222,9 @@ class ArmLayout:
         )
 
     def check_distributed_optimizer(self, num_instances: int) -> None:
-        """With Megatron's distributed optimizer every arm must own a full optimizer copy."""
+        """With Megatron's distributed optimizer every arm must own a full optimizer copy: one
+        partial-DistOpt instance per arm, whose dense (DP x CP) and expert (expert-DP) instance
+        groups are exactly the arm's ranks of those groups."""
         if num_instances != self.num_arms:
             raise HDETSetupError(
                 "HDET with use_distributed_optimizer needs one optimizer instance per arm: set "
@@ -235,8 +237,18 @@ class ArmLayout:
                 parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
             )
         )
-        if instance_ranks != self.arm_ranks:
+        if instance_ranks != self.grad_arm_ranks:
             raise HDETSetupError(
                 f"distributed-optimizer instance ranks {instance_ranks} differ from HDET arm "
-                f"ranks {self.arm_ranks}; arms must be contiguous DP blocks"
+                f"ranks {self.grad_arm_ranks}; arms must be contiguous DP blocks"
             )
+        expert_instance = parallel_state.get_expert_data_parallel_group(
+            check_initialized=False, partial_expert_data_parallel=True
+        )
+        if expert_instance is not None:
+            expert_ranks = tuple(dist.get_process_group_ranks(expert_instance))
+            if expert_ranks != self.expert_arm_ranks:
+                raise HDETSetupError(
+                    f"distributed-optimizer expert instance ranks {expert_ranks} differ from "
+                    f"HDET arm {self.arm}'s expert-data-parallel ranks {self.expert_arm_ranks}"
+                )
