@@ -19,7 +19,8 @@ inter-instance all-reduce (each instance *is* an arm, see ``ArmLayout.check_dist
 and rescale to 1/(ranks of the arm). MoE expert params live in DDP's
 ``expert_parallel_bucket_groups``, reduced over the expert-data-parallel group: in ``arm`` mode
 over its ranks inside the arm (``ArmLayout.expert_arm_group``), with the same rescaling. Dense
-grads reduce over the arm's DP x CP ranks (``ArmLayout.grad_arm_group``). ``uninstall`` restores every attribute.
+grads reduce over the arm's DP x CP ranks (``ArmLayout.grad_arm_group``). ``uninstall`` restores
+every attribute.
 """
 
 from __future__ import annotations

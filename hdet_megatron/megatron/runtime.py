@@ -378,7 +378,7 @@ class HDET:
         expert_group = self.layout.expert_cross_arm_group or self.layout.cross_arm_group
         parts = []
         for is_expert, group in ((False, self.layout.cross_arm_group), (True, expert_group)):
-            tensors = [t for t, e in zip(averaged, expert) if e == is_expert]
+            tensors = [t for t, e in zip(averaged, expert, strict=True) if e == is_expert]
             if tensors:
                 parts.append(
                     BucketedAverager(tensors, group=group, bucket_mb=self.config.bucket_mb, home=home)
