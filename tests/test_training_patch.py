@@ -12,6 +12,7 @@ import base64
 import hashlib
 import importlib.metadata as md
 import json
+import math
 import os
 import re
 import shutil
@@ -144,6 +145,7 @@ def test_apply_dry_run_apply_idempotent_reverse_restores_bytes(tmp_path):
     assert changed == {Path(f).name for f in patched_files()}
     assert not [k for k in after if k.endswith((".orig", ".rej"))]
     assert b"_hdet_hooks.on_train_step(losses_reduced, iteration)" in after["training.py"]
+    assert b"_hdet_hooks.on_train_step_start(forward_step_func, data_iterator, model," in after["training.py"]
 
     again = run_apply(*target)  # idempotent
     assert again.returncode == 0 and "already applied" in again.stdout
@@ -212,12 +214,10 @@ sys.argv = ["pretrain_gpt_hdet.py", "--hdet-period", "7", "--hdet-axis", "lr:0.2
             "--hdet-axis", "weight_decay:0.1", "--no-hdet-auto", "--hdet-temperature", "auto"]
 args = arguments.parse_args()
 cfg = training_hooks.config_from_args(args)
-sys.argv = ["pretrain_gpt_hdet.py", "--hdet-signal", "probe"]
-try:
-    training_hooks.config_from_args(arguments.parse_args())
-    probe_error = None
-except ValueError as exc:
-    probe_error = str(exc)
+signals = []
+for signal in ("probe", "line", "average"):  # the loop provides the probe (training_probe.py)
+    sys.argv = ["pretrain_gpt_hdet.py", "--hdet-signal", signal]
+    signals.append(training_hooks.config_from_args(arguments.parse_args()).signal)
 sys.argv = ["pretrain_gpt_hdet.py", "--no-hdet", "--train-iters", "10", "--lr", "0.1",
             "--micro-batch-size", "1", "--global-batch-size", "1"]
 plain = arguments.parse_args()
@@ -228,7 +228,7 @@ opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
 sched = training.get_optimizer_param_scheduler(opt)
 print(json.dumps({"period": cfg.period, "axes": [[a.name, a.spread] for a in cfg.axes],
                   "auto": cfg.auto, "temperature": cfg.temperature,
-                  "plain_scheduler": type(sched).__name__, "probe_error": probe_error}))
+                  "plain_scheduler": type(sched).__name__, "signals": signals}))
 """
 
 
@@ -251,9 +251,7 @@ def test_patched_modules_import_and_parse_hdet_args(overlay):
         "auto": False,
         "temperature": "auto",
         "plain_scheduler": "OptimizerParamScheduler",
-        "probe_error": "--hdet-signal probe is not supported through megatron.training yet (it "
-        "needs probe forward passes at each window's end): use --hdet-signal "
-        "train, or examples/pretrain_gpt/pretrain_gpt.py which provides the probe",
+        "signals": ["probe", "line", "average"],
     }
 
 
@@ -346,7 +344,14 @@ TINY_GPT = [
 HDET_FLAGS = ["--hdet-period", "2", "--hdet-spread", "0.5"]
 
 
-def torchrun(overlay: Path, ckpt: Path, layout: list[str], extra: list[str], log: Path) -> str:
+ENTRY = REPO / "tests" / "patched_loop_entry.py"
+
+
+def torchrun(
+    overlay: Path, ckpt: Path, layout: list[str], extra: list[str], log: Path, records: Path | None = None
+) -> str:
+    """The example under torchrun on 4 gloo ranks; with ``records``, through
+    tests/patched_loop_entry.py, which writes each rank's HDET records there."""
     env = {
         **os.environ,
         "PYTHONPATH": str(overlay),
@@ -354,6 +359,8 @@ def torchrun(overlay: Path, ckpt: Path, layout: list[str], extra: list[str], log
         "GLOO_SOCKET_IFNAME": "lo",
         "OMP_NUM_THREADS": "1",
     }
+    if records is not None:
+        env["HDET_TEST_RECORD_DIR"] = str(records)
     cmd = [
         sys.executable,
         "-m",
@@ -361,7 +368,7 @@ def torchrun(overlay: Path, ckpt: Path, layout: list[str], extra: list[str], log
         "--standalone",
         "--nproc-per-node",
         "4",
-        str(EXAMPLE),
+        str(EXAMPLE if records is None else ENTRY),
         *CPU_FLAGS,
         *TINY_GPT,
         *HDET_FLAGS,
@@ -375,6 +382,56 @@ def torchrun(overlay: Path, ckpt: Path, layout: list[str], extra: list[str], log
     log.write_text(out)
     assert proc.returncode == 0, f"torchrun failed ({log}):\n" + out[-6000:]
     return out
+
+
+def load_records(records: Path) -> list[dict]:
+    """The 4 ranks' records (tests/patched_loop_entry.py), in rank order."""
+    return [json.loads((records / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+def check_probe_records(recs: list[dict], windows: int, shared: bool, microbatches: int) -> None:
+    """What every probed window must show, on every rank of one torchrun world.
+
+    * Identical controller decisions (the whole window record: arm losses, line fit, update,
+      scales, exclusions) on all ranks, TP and PP ranks included.
+    * Every line search left the main params, the model params and the RNG states (torch's and
+      Megatron's model-parallel tracker) bit-identical.
+    * The probe read the batches the next training step then took (read ahead, not consumed:
+      the data order is the run's own): ``shared`` (``--hdet-signal probe``) DP rank 0's on
+      every rank of its DP group, else each rank's own.
+    """
+    ref = recs[0]["windows"]
+    assert len(ref) == windows
+    for rec in recs[1:]:
+        assert rec["windows"] == ref
+    for rec in recs:
+        for ev in rec["line_evals"]:
+            assert ev["before"] == ev["after"]
+
+    def position(rec):
+        return rec["layout"]["tp_rank"], rec["layout"]["pp_rank"]
+
+    dp0 = {position(rec): rec for rec in recs if rec["layout"]["dp_rank"] == 0}
+    checked = 0
+    for rec in recs:
+        train = rec["train_batches"]
+        for call in rec["probe_calls"]:
+            probed = [d for stream in call["batches"] for d in stream]
+            # The first probe of a window ran right after iteration ``window end``; training
+            # then took the next iteration's batches (the probe's read-ahead).
+            end = next(w["iteration"] for w in rec["windows"] if w["window"] == call["window"])
+            source = dp0[position(rec)] if shared else rec
+            taken = source["train_batches"].get(str(end + 1))
+            if taken is None:  # the run stopped after this window (exit or last iteration)
+                continue
+            assert probed == taken, (call, end, taken)
+            assert len(probed) == microbatches
+            checked += 1
+        assert train  # training read through the read-ahead iterator
+        taken = [d for it in sorted(train, key=int) for d in train[it]]
+        assert len(set(taken)) == len(taken)  # no batch trained on twice, none dropped for a probe
+        assert sorted(map(int, train)) == list(range(min(map(int, train)), max(map(int, train)) + 1))
+    assert checked > 0
 
 
 _FLOAT = r"[-+0-9.eE]+"
@@ -448,21 +505,26 @@ def check_lr_matches_megatron(out: str) -> int:
 
 @pytest.mark.slow
 def test_patched_loop_end_to_end_tp2dp2_save_then_pp2dp2_resume(overlay, tmp_path):
-    """torchrun, 4 gloo ranks, --mock-data, HDET with 2 arms (alpha 0.5, period 2).
+    """torchrun, 4 gloo ranks, --mock-data, HDET with 2 arms (alpha 0.5, period 2) and the
+    ``probe`` signal (every arm scores DP rank 0's next batch through Megatron's
+    forward_backward_func: over TP in run A, over the pipeline in run B).
 
     Run A (TP2 x DP2): iterations 1-5, converges at 2 and 4, then ``--exit-interval 5`` saves a
-    torch_dist checkpoint mid-window: the save converges first. Run B (PP2 x DP2, resharded from
-    the same checkpoint) resumes at 6 with the controller state of A and converges again at 7.
+    torch_dist checkpoint mid-window: the save converges first (with a probe). Run B (PP2 x DP2,
+    resharded from the same checkpoint) resumes at 6 with the controller state of A and
+    converges again at 7.
     """
     ckpt = tmp_path / "ckpt"
+    probe = ["--hdet-signal", "probe"]
     out_a = torchrun(
         overlay,
         ckpt,
-        ["--tensor-model-parallel-size", "2"],
+        ["--tensor-model-parallel-size", "2", *probe],
         ["--save", str(ckpt), "--save-interval", "100", "--exit-interval", "5"],
         tmp_path / "run_a.log",
+        records=tmp_path / "rec_a",
     )
-    assert "[HDET] on: 2 arms over DP 2" in out_a
+    assert "[HDET] on: 2 arms over DP 2" in out_a and "signal probe" in out_a
     conv_a = hdet_converges(out_a)
     assert [(c["window"], c["iteration"], c["forced"]) for c in conv_a] == [
         (0, 2, False),
@@ -470,6 +532,7 @@ def test_patched_loop_end_to_end_tp2dp2_save_then_pp2dp2_resume(overlay, tmp_pat
         (2, 5, True),
     ]
     assert all(len(c["losses"]) == 2 for c in conv_a)
+    assert out_a.count("| probe: arm loss is each arm's loss on the shared probe batch") == 3
     assert "successfully saved checkpoint from iteration       5" in out_a
     windows_a = hdet_windows(out_a)
     assert all(sorted(w["spread"]) == [0.5, 1.5] for w in windows_a)
@@ -477,8 +540,23 @@ def test_patched_loop_end_to_end_tp2dp2_save_then_pp2dp2_resume(overlay, tmp_pat
     iters_a = megatron_iterations(out_a)
     assert sorted(iters_a) == [1, 2, 3, 4, 5]
     last_scale = conv_a[-1]["scale"]
+    recs_a = load_records(tmp_path / "rec_a")
+    check_probe_records(recs_a, windows=3, shared=True, microbatches=2)
+    for w in recs_a[0]["windows"]:
+        # The arms scored one batch each: two different finite losses, and they are the signal.
+        assert w["arm_losses"] == w["update"]["arm_losses"]
+        assert len(set(w["arm_losses"])) == 2 and all(math.isfinite(x) for x in w["arm_losses"])
+    # 2 probe passes (windows 0 and 1) were followed by training: both checked on every rank.
+    assert all(len(r["probe_calls"]) == 3 for r in recs_a)
 
-    out_b = torchrun(overlay, ckpt, ["--pipeline-model-parallel-size", "2"], [], tmp_path / "run_b.log")
+    out_b = torchrun(
+        overlay,
+        ckpt,
+        ["--pipeline-model-parallel-size", "2", *probe],
+        [],
+        tmp_path / "run_b.log",
+        records=tmp_path / "rec_b",
+    )
     assert "loading distributed checkpoint from" in out_b and "at iteration 5" in out_b
     windows_b = hdet_windows(out_b)
     # Resumed: the window counter and the controller's scale continue from A's checkpoint.
@@ -492,3 +570,60 @@ def test_patched_loop_end_to_end_tp2dp2_save_then_pp2dp2_resume(overlay, tmp_pat
     # The trained model was restored (a fresh one starts near ln(128) = 4.85).
     assert abs(iters_b[6]["loss"] - iters_a[5]["loss"]) < 0.1
     assert iters_b[6]["loss"] < iters_a[1]["loss"] - 0.1
+    recs_b = load_records(tmp_path / "rec_b")
+    check_probe_records(recs_b, windows=1, shared=True, microbatches=2)
+    # Both pipeline stages ran the probe (first stage: tokens in, last stage: the loss).
+    assert all(len(r["probe_calls"]) == 1 for r in recs_b)
+    assert {(r["layout"]["pp_rank"], r["layout"]["dp_rank"]) for r in recs_b} == {
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+    }
+
+
+@pytest.mark.slow
+def test_patched_loop_average_signal_dp4(overlay, tmp_path):
+    """``--hdet-signal average`` in Megatron-LM's loop: torchrun, 4 gloo ranks, DP4 = 4 arms
+    (the line signals need >= 3), auto-LR on, period 2, 8 iterations.
+
+    Every window's end evaluates the update line at the 4 arms' multipliers on each replica's
+    next batch (read ahead of training), the log and the records show the line, the controller
+    moves the scale identically on every rank, and every line search restores the params and
+    RNG bit-exactly (so training continues as if no probe had run)."""
+    out = torchrun(
+        overlay,
+        tmp_path / "ckpt",
+        ["--hdet-signal", "average"],
+        [],
+        tmp_path / "run.log",
+        records=tmp_path / "rec",
+    )
+    assert "[HDET] on: 4 arms over DP 4" in out and "signal average" in out
+    conv = hdet_converges(out)
+    assert [(c["window"], c["iteration"], c["forced"]) for c in conv] == [
+        (0, 2, False),
+        (1, 4, False),
+        (2, 6, False),
+        (3, 8, False),
+    ]
+    lines = re.findall(r"\| average line points \[([^\]]*)\] loss \[([^\]]*)\] slope (\S+)", out)
+    assert len(lines) == 4
+    for points, losses, _ in lines:
+        assert [float(p) for p in points.split(",")] == pytest.approx([0.5, 5 / 6, 7 / 6, 1.5], rel=1e-5)
+        assert len(losses.split(",")) == 4
+    iters = megatron_iterations(out)
+    assert sorted(iters) == list(range(1, 9)) and all(math.isfinite(v["loss"]) for v in iters.values())
+    recs = load_records(tmp_path / "rec")
+    check_probe_records(recs, windows=4, shared=False, microbatches=1)
+    for rec in recs:
+        assert len(rec["line_evals"]) == 4  # one line search per window, each restored
+        assert len(rec["probe_calls"]) == 16  # 4 points x 4 windows
+    for w in recs[0]["windows"]:
+        line = w["line"]
+        assert len(line["losses"]) == 4 and len(set(line["losses"])) == 4
+        assert all(isinstance(x, float) and math.isfinite(x) for x in line["losses"])
+        assert w["arm_losses"] == w["update"]["arm_losses"]
+        assert w["arm_losses"] == line["pseudo_losses"]
+    # Auto-LR acted on the line: the scale moved (the same on every rank, checked above).
+    assert recs[0]["windows"][-1]["scales"]["lr"] != 1.0

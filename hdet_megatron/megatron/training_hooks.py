@@ -14,6 +14,8 @@ patched site (``megatron/training/...``)      call
                                               :class:`HDETOptimizerParamScheduler`)
 ``training.setup_model_and_optimizer``        :func:`on_setup` (builds :class:`HDET` before the
                                               checkpoint is loaded)
+``training.train_step`` (first statement)     :func:`on_train_step_start` (what the probe runs
+                                              with: ``train_step``'s own arguments)
 ``training.train_step`` (after the LR step)   :func:`on_train_step` (per-microbatch losses,
                                               before Megatron's DP reduction)
 ``checkpointing.save_checkpoint`` (start)     :func:`before_save_checkpoint` (converge first)
@@ -21,8 +23,12 @@ patched site (``megatron/training/...``)      call
 
 The controller/window state travels inside ``opt_param_scheduler.state_dict()["hdet"]``, which
 Megatron saves and loads itself (legacy ``torch`` checkpoints and the common state of
-``torch_dist`` checkpoints). Per-arm metrics are printed on rank 0 at every converge and written
-to Megatron's TensorBoard and W&B writers (``hdet/...``).
+``torch_dist`` checkpoints). The probe signals (``--hdet-signal probe``, ``line``, ``average``)
+score the arms on the next training batches, read ahead of the training stream and run through
+Megatron's own ``forward_backward_func(forward_only=True)``
+(:class:`~hdet_megatron.megatron.training_probe.TrainingLoopProbe`). Per-arm metrics (and the
+line fit of ``line``/``average``) are printed on rank 0 at every converge and written to
+Megatron's TensorBoard and W&B writers (``hdet/...``).
 
 With ``--no-hdet`` every hook is a no-op and the loop is Megatron's own (a plain
 ``OptimizerParamScheduler``).
@@ -52,6 +58,7 @@ class _State:
     config: HDETConfig | None = None
     runtime: Any = None  # hdet_megatron.megatron.runtime.HDET
     scheduler: Any = None
+    probe: Any = None  # hdet_megatron.megatron.training_probe.TrainingLoopProbe
     announced: bool = False  # the current window's per-arm values were printed
 
 
@@ -68,7 +75,7 @@ def reset() -> None:
     """Forget this process's HDET objects (tests; a second ``pretrain`` in one process)."""
     if _STATE.runtime is not None:
         _STATE.runtime.close()
-    _STATE.config = _STATE.runtime = _STATE.scheduler = None
+    _STATE.config = _STATE.runtime = _STATE.scheduler = _STATE.probe = None
     _STATE.announced = False
 
 
@@ -107,14 +114,6 @@ def config_from_args(args) -> HDETConfig | None:
             "--use-precision-aware-optimizer is not supported by HDET yet (TE's FusedAdam keeps the "
             "fp32 master weights in its own state, which a converge does not reach): drop it, or "
             "train with --no-hdet"
-        )
-    if config is not None and config.signal in ("probe", "line", "average"):
-        # The probe needs a forward pass on a batch shared by all arms; Megatron-LM's loop has no
-        # hook for it yet, so refuse before anything is built rather than at the first converge.
-        raise HDETConfigError(
-            f"--hdet-signal {config.signal} is not supported through megatron.training yet (it "
-            "needs probe forward passes at each window's end): use --hdet-signal train, or "
-            "examples/pretrain_gpt/pretrain_gpt.py which provides the probe"
         )
     return config
 
@@ -186,18 +185,24 @@ def on_setup(model, optimizer, opt_param_scheduler) -> None:
     if not isinstance(opt_param_scheduler, HDETOptimizerParamScheduler):
         return
     from hdet_megatron.megatron.runtime import HDET
+    from hdet_megatron.megatron.training_probe import TrainingLoopProbe
 
     if _STATE.runtime is not None:
         _STATE.runtime.close()
     # A scheduler built with hdet=None has no config: HDET refuses it with an HDETSetupError.
-    hdet = HDET(opt_param_scheduler.hdet_config, model, optimizer, opt_param_scheduler)  # type: ignore[arg-type]
+    # Every run gets the probe (it reads nothing until a signal other than "train" calls it):
+    # the next training batches through Megatron's forward_backward_func, bound by train_step.
+    probe = TrainingLoopProbe(getattr(opt_param_scheduler.hdet_config, "signal", "train"))
+    hdet = HDET(opt_param_scheduler.hdet_config, model, optimizer, opt_param_scheduler, probe_fn=probe)  # type: ignore[arg-type]
     _STATE.runtime = hdet
+    _STATE.probe = probe
     config = hdet.config
     layout = hdet.layout
     axes = ", ".join(f"{a.name}:{a.spread:g}" for a in config.axes)
     _print0(
         f"on: {layout.num_arms} arms over DP {layout.dp_size} ({layout.replicas_per_arm} "
         f"replica(s) per arm), period {config.period}, axes {axes}, grad_sync {config.grad_sync}, "
+        f"signal {config.signal}, "
         f"auto {'on from iteration ' + str(config.auto_start) if config.auto else 'off'}, "
         f"converge on save {'on' if config.converge_on_save else 'off'}"
     )
@@ -207,10 +212,28 @@ def on_setup(model, optimizer, opt_param_scheduler) -> None:
 
 
 # -- per step ------------------------------------------------------------------------------------
+def on_train_step_start(
+    forward_step_func, data_iterator, model, forward_backward_func, p2p_communicator=None, pg_collection=None
+) -> None:
+    """First statement of ``train_step``, on every rank, with its own arguments: what a window's
+    probe (:class:`~hdet_megatron.megatron.training_probe.TrainingLoopProbe`) runs with. Cheap."""
+    if _STATE.probe is None:
+        return
+    _STATE.probe.bind(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        forward_backward_func=forward_backward_func,
+        p2p_communicator=p2p_communicator,
+        pg_collection=pg_collection,
+    )
+
+
 def on_train_step(losses_reduced, iteration: int | None = None):
     """``train_step`` after the optimizer and LR-scheduler steps, on every rank, with what
     ``forward_backward_func`` returned (per-microbatch loss dicts, before the DP reduction).
-    Collective once per window. Returns the :class:`WindowMetrics` when a window ended."""
+    Collective once per window (with a probe signal: the probe's forward-only passes too).
+    Returns the :class:`WindowMetrics` when a window ended."""
     hdet = _STATE.runtime
     if hdet is None:
         return None
@@ -294,8 +317,27 @@ def log_window(metrics, iteration: int) -> None:
     )
     if metrics.excluded:
         line += f" | excluded arms {metrics.excluded} (non-finite loss)"
+    signal = _STATE.runtime.config.signal if _STATE.runtime is not None else None
+    fit = metrics.line or {}
+    if fit:
+        # The line signals: arm loss above is each arm's pseudo-loss from this fit.
+        line += (
+            f" | {signal} line points [" + ", ".join(f"{p:g}" for p in fit.get("points", [])) + "] "
+            "loss [" + ", ".join(f"{float(v):.4f}" for v in fit.get("losses", [])) + "] "
+            f"slope {float(fit.get('slope', float('nan'))):.4g}"
+        )
+    elif signal == "probe":
+        line += " | probe: arm loss is each arm's loss on the shared probe batch"
     _print0(line)
     scalars = {f"hdet/arm{a}/loss": loss for a, loss in enumerate(metrics.arm_losses)}
+    if signal != "train":  # arm loss is the probe's; the window training losses too
+        for a, loss in enumerate(metrics.arm_train_losses or []):
+            scalars[f"hdet/arm{a}/train_loss"] = loss
+    for k, value in enumerate(fit.get("losses", [])):
+        scalars[f"hdet/line/point{k}_loss"] = float(value)
+    for key in ("slope", "curvature"):
+        if key in fit:
+            scalars[f"hdet/line/{key}"] = float(fit[key])
     for name, per_arm in metrics.arm_values.items():
         for a, value in enumerate(per_arm):
             scalars[f"hdet/arm{a}/{name}_spread"] = value
