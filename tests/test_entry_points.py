@@ -261,11 +261,12 @@ case("pg_unknown_flag", "pretrain_gpt", [*M, "--hdet-perod", "5"], "--hdet-perod
 case("mlm_hdet_arms_3", "mlm", ["--hdet-arms", "3"], "--hdet-arms 3", "use one of [1, 2, 4]")
 case("mlm_hdet_period_0", "mlm", ["--hdet-period", "0"], "--hdet-period", "integer >= 1")
 case(
-    "mlm_hdet_signal_probe",
+    "mlm_hdet_signal_average_2_arms",
     "mlm",
-    ["--hdet-signal", "probe"],
-    "--hdet-signal probe",
-    "use --hdet-signal train",
+    ["--hdet-signal", "average", "--hdet-arms", "2"],
+    "--hdet-signal average",
+    "needs >= 3 arms, this run has 2",
+    "use --hdet-signal probe",
 )
 case(
     "mlm_axis_conflict",

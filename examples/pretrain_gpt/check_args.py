@@ -187,6 +187,13 @@ def check_megatron(
                 f"TP {args.tensor_model_parallel_size} / PP {args.pipeline_model_parallel_size}); "
                 f"use one of {[a for a in range(1, dp + 1) if dp % a == 0]}"
             )
+        if config.signal in ("line", "average") and arms < 3:
+            # The controller refuses it too (a line fit needs >= 3 points), only after start-up.
+            raise InputError(
+                f"--hdet-signal {config.signal} fits the update line at the arms' multipliers and "
+                f"needs >= 3 arms, this run has {arms} (data-parallel size {dp}); use "
+                "--hdet-signal probe (or train), or more data-parallel ranks"
+            )
     _check_megatron_files(args)
     return args
 
