@@ -188,10 +188,12 @@ class TrainingLoopProbe:
     # -- reading ---------------------------------------------------------------------------------
     def _batch(self, stream: int, index: int) -> Any:
         batches = self._batches[stream]
+        source = self._streams[stream]
+        assert source is not None  # readers exist only for streams that have a data iterator
         while len(batches) <= index:
             k = len(batches)
             try:
-                batch = self._streams[stream].peek(k)
+                batch = source.peek(k)
             except StopIteration:
                 previous = self._previous[stream] if stream < len(self._previous) else []
                 if k >= len(previous):
