@@ -67,7 +67,8 @@ def test_probe_signals_ddp_4_ranks():
         replace(avg, save_at=None, resume="previous"),
         probe,
         replace(probe, save_at=None, resume="previous"),
-        ProbeRun(signal="line"),
+        ProbeRun(signal="line", save_at=6),
+        replace(ProbeRun(signal="line"), resume="previous"),
         # Probing changes nothing about training: with the controller off, bit-identical to
         # the train signal.
         ProbeRun(signal="average", auto=False),
@@ -79,7 +80,7 @@ def test_probe_signals_ddp_4_ranks():
     ]
     runs = run_world(4, world_runs, specs, timeout=300)
     res = [[runs[r][i] for r in range(4)] for i in range(len(specs))]
-    avg_r, avg_resumed, probe_r, probe_resumed, line_r, off, train_off, nan_avg, nan_line = res
+    avg_r, avg_resumed, probe_r, probe_resumed, line_r, line_resumed, off, train_off, nan_avg, nan_line = res
     for spec, results in ((avg, avg_r), (probe, probe_r), (specs[4], line_r)):
         _check_run(results, spec)
     _check_line_means(avg_r, 4)
@@ -96,6 +97,7 @@ def test_probe_signals_ddp_4_ranks():
     # Checkpoint at step 6 (a window's end), resume in fresh objects: bit-identical after.
     _resumed_equal(avg_r, avg_resumed, 6)
     _resumed_equal(probe_r, probe_resumed, 6)
+    _resumed_equal(line_r, line_resumed, 6)
     _same_training(off, train_off)
     assert len(off[0]["probed"]) == 4 * 4  # the probes did run
     for results in (nan_avg, nan_line):
@@ -149,6 +151,36 @@ def test_probe_signals_fsdp2_hsdp(tmp_path):
     rehomed = res[10]
     for w in range(len(rehomed[0]["history"])):
         assert len({r["history"][w]["full_digest"] for r in rehomed}) == 1
+
+
+@pytest.mark.slow
+def test_line_signals_hsdp_really_sharded_6_ranks(tmp_path):
+    """The line signals need >= 3 arms, so on 4 ranks their HSDP mesh is (4, 1): nothing is
+    sharded. Here 3 arms x 2 shards: every line point is written into real shards and gathered
+    by the probe's forward. Identical decisions on all 6 ranks, bit-exact restore after every
+    line search, no host sync off the converge steps, checkpoint (DCP) and resume
+    bit-identical, and with the controller off the probes change nothing about training."""
+    avg = ProbeRun(signal="average", fsdp=True, replicas=3)
+    specs = [
+        replace(avg, save_at=6, save_dir=str(tmp_path / "avg")),
+        replace(avg, resume="previous", save_dir=str(tmp_path / "avg")),
+        ProbeRun(signal="line", fsdp=True, replicas=3, reshard_after_forward=False),
+        replace(avg, auto=False),
+        ProbeRun(signal="train", fsdp=True, replicas=3, auto=False),
+    ]
+    runs = run_world(6, world_runs, specs, timeout=400)
+    avg_r, resumed, line_r, off, train_off = [[runs[r][i] for r in range(6)] for i in range(len(specs))]
+    for results, spec in ((avg_r, specs[0]), (line_r, specs[2])):
+        _check_run(results, spec)
+        _check_line_means(results, 3)
+        for h in results[0]["history"]:
+            assert len(set(h["line"]["losses"])) == 3  # each point probed its own params
+        assert results[0]["history"][-1]["scales"]["lr"] != 1.0
+    # Arms are the mesh's replicate dimension: ranks 2a and 2a + 1 shard arm a's copy.
+    assert [r["arm"] for r in avg_r] == [0, 0, 1, 1, 2, 2]
+    _resumed_equal(avg_r, resumed, 6)
+    _same_training(off, train_off)
+    assert len(off[0]["probed"]) == 4 * 3
 
 
 # ----------------------------------------------------------------------------- single process
