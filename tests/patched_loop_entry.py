@@ -9,7 +9,9 @@ Each rank writes ``$HDET_TEST_RECORD_DIR/rank<R>.json`` at exit:
 * ``probe_calls``: per probe pass, the window and the digests of the batches it read (per data
   stream, in order);
 * ``train_batches``: digests of the batches training took from the read-ahead iterator, by the
-  (1-based) iteration that took them.
+  (1-based) iteration that took them;
+* ``params_at_end``: digest of this rank's model params at each window's end (before the
+  probes and the converge), by iteration.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from hdet_megatron.megatron import training_hooks  # noqa: E402
 from hdet_megatron.megatron.runtime import HDET  # noqa: E402
 from hdet_megatron.megatron.training_probe import PeekableIterator, TrainingLoopProbe  # noqa: E402
 
-RECORD: dict = {"windows": [], "line_evals": [], "probe_calls": [], "train_batches": {}}
+RECORD: dict = {"windows": [], "line_evals": [], "probe_calls": [], "train_batches": {}, "params_at_end": {}}
 
 
 def _digest_tensors(tensors) -> str:
@@ -111,6 +113,8 @@ def end_window(self, forced):
             "tp_rank": ps.get_tensor_model_parallel_rank(),
             "pp_rank": ps.get_pipeline_model_parallel_rank(),
         }
+    params = [p for chunk in self.model for p in chunk.parameters()]
+    RECORD["params_at_end"][str(self.iteration)] = _digest_tensors(params)
     metrics = _end_window(self, forced)
     row = dataclasses.asdict(metrics)
     for key in ("converge_seconds", "converge_bytes", "grad_bytes_per_step"):

@@ -585,16 +585,18 @@ def test_patched_loop_end_to_end_tp2dp2_save_then_pp2dp2_resume(overlay, tmp_pat
 @pytest.mark.slow
 def test_patched_loop_average_signal_dp4(overlay, tmp_path):
     """``--hdet-signal average`` in Megatron-LM's loop: torchrun, 4 gloo ranks, DP4 = 4 arms
-    (the line signals need >= 3), auto-LR on, period 2, 8 iterations.
+    (the line signals need >= 3), auto-LR from iteration 5, period 2, 8 iterations.
 
     Every window's end evaluates the update line at the 4 arms' multipliers on each replica's
     next batch (read ahead of training), the log and the records show the line, the controller
     moves the scale identically on every rank, and every line search restores the params and
-    RNG bit-exactly (so training continues as if no probe had run)."""
+    RNG bit-exactly. Training continues bit-identically: until the controller first moves the
+    scale (the converge at 6), every rank's params and Megatron's losses equal those of a run
+    with ``--hdet-signal train`` and auto-LR off, which never probes."""
     out = torchrun(
         overlay,
         tmp_path / "ckpt",
-        ["--hdet-signal", "average"],
+        ["--hdet-signal", "average", "--hdet-auto-start", "5"],
         [],
         tmp_path / "run.log",
         records=tmp_path / "rec",
@@ -625,5 +627,30 @@ def test_patched_loop_average_signal_dp4(overlay, tmp_path):
         assert all(isinstance(x, float) and math.isfinite(x) for x in line["losses"])
         assert w["arm_losses"] == w["update"]["arm_losses"]
         assert w["arm_losses"] == line["pseudo_losses"]
-    # Auto-LR acted on the line: the scale moved (the same on every rank, checked above).
-    assert recs[0]["windows"][-1]["scales"]["lr"] != 1.0
+    # Auto-LR acted on the line from iteration 5 on: the scale moved (the same on every rank,
+    # checked above).
+    assert [w["scales"]["lr"] == 1.0 for w in recs[0]["windows"]] == [True, True, False, False]
+
+    # The reference: no probe at all (train signal, auto-LR off, same seeds and data).
+    ref_out = torchrun(
+        overlay,
+        tmp_path / "ckpt_ref",
+        ["--hdet-signal", "train", "--no-hdet-auto"],
+        [],
+        tmp_path / "ref.log",
+        records=tmp_path / "rec_ref",
+    )
+    ref = load_records(tmp_path / "rec_ref")
+    assert all(not r["probe_calls"] and not r["line_evals"] for r in ref)
+    for rec, ref_rec in zip(recs, ref, strict=True):
+        # Windows ending at 2, 4, 6: after 2 probed windows (8 line points), the same bits.
+        for it in ("2", "4", "6"):
+            assert rec["params_at_end"][it] == ref_rec["params_at_end"][it], (it, rec["layout"])
+        assert rec["params_at_end"]["8"] != ref_rec["params_at_end"]["8"]  # the new scale acted
+    ref_iters = megatron_iterations(ref_out)
+    # Iteration 7's forward still runs on the converged params of 6; 8 on those of a new LR.
+    assert [iters[i]["loss"] for i in range(1, 8)] == [ref_iters[i]["loss"] for i in range(1, 8)]
+    assert iters[8]["loss"] != ref_iters[8]["loss"]
+    # Megatron logs the LR after the scheduler step (and the converge at 6 set the new scale).
+    assert [iters[i]["lr"] for i in range(1, 6)] == [ref_iters[i]["lr"] for i in range(1, 6)]
+    assert iters[6]["lr"] != ref_iters[6]["lr"]
