@@ -130,6 +130,9 @@ def test_probe_signals_fsdp2_hsdp(tmp_path):
             ProbeRun(signal="train", fsdp=True, replicas=4, reshard_after_forward=reshard, auto=False),
         ]
     specs.append(ProbeRun(signal="train", fsdp=True, replicas=2, rehome_at=4))
+    # "probe" on a really sharded (2 arms x 2 shards) mesh: checkpoint at step 6, resume.
+    probe = ProbeRun(signal="probe", fsdp=True, replicas=2, save_dir=str(tmp_path / "probe"))
+    specs += [replace(probe, save_at=6), replace(probe, resume="previous")]
     runs = run_world(4, world_runs, specs, timeout=400)
     res = [[runs[r][i] for r in range(4)] for i in range(len(specs))]
     by_setting = [res[:5], res[5:10]]
@@ -151,6 +154,12 @@ def test_probe_signals_fsdp2_hsdp(tmp_path):
     rehomed = res[10]
     for w in range(len(rehomed[0]["history"])):
         assert len({r["history"][w]["full_digest"] for r in rehomed}) == 1
+    probe_saved, probe_resumed = res[11], res[12]
+    _check_run(probe_saved, specs[11])
+    assert probe_saved[0]["history"][-1]["scales"]["lr"] != 1.0
+    _resumed_equal(probe_saved, probe_resumed, 6)
+    # The saving run decided exactly as the one without a checkpoint.
+    assert [r["history"] for r in probe_saved] == [r["history"] for r in by_setting[0][2]]
 
 
 @pytest.mark.slow
