@@ -40,6 +40,8 @@ class Run:
     """Extra HDETConfig fields."""
     sched: dict = field(default_factory=dict)
     """Extra scheduler kwargs (override_opt_param_scheduler, ...)."""
+    setup: dict = field(default_factory=dict)
+    """Extra ToyGPTSetup fields (MoE: num_experts, ep, ...)."""
 
 
 def digest(tensors) -> str:
@@ -57,12 +59,15 @@ class Job:
         dp = world_size // (run.tp * run.pp)
         arms = run.arms or dp
         self.setup = toy.ToyGPTSetup(
-            tp=run.tp,
-            pp=run.pp,
-            num_layers=2,
-            use_distributed_optimizer=run.dist_opt,
-            num_distributed_optimizer_instances=arms if run.dist_opt else 1,
-            bf16=run.bf16,
+            **{
+                "tp": run.tp,
+                "pp": run.pp,
+                "num_layers": 2,
+                "use_distributed_optimizer": run.dist_opt,
+                "num_distributed_optimizer_instances": arms if run.dist_opt else 1,
+                "bf16": run.bf16,
+                **run.setup,
+            }
         )
         toy.init_parallel(self.setup)
         self.model = toy.build_model(self.setup)
@@ -86,6 +91,7 @@ class Job:
             self.scheduler = OptimizerParamScheduler(self.optimizer, **kwargs)
         self.iteration = 0
         self.losses: dict[int, float] = {}
+        self.digests: dict[int, str] = {}  # model params after each iteration
         self.history: list = []
 
     def _probe(self) -> list:
@@ -102,9 +108,15 @@ class Job:
     def seek(self, iteration: int) -> None:
         """Data position of ``iteration`` (each DP replica has its own stream)."""
         self.iteration = iteration
-        self.data = toy.synthetic_batches(self.setup, seed=ps.get_data_parallel_rank())
-        for _ in range(iteration * self.setup.num_microbatches):
-            next(self.data)
+        # One iterator per model chunk (the interleaved schedule reads each chunk's own).
+        streams = [
+            toy.synthetic_batches(self.setup, seed=ps.get_data_parallel_rank())
+            for _ in range(self.setup.vpp or 1)
+        ]
+        for stream in streams:
+            for _ in range(iteration * self.setup.num_microbatches):
+                next(stream)
+        self.data = streams if self.setup.vpp else streams[0]
 
     def train_until(self, iteration: int) -> None:
         while self.iteration < iteration:
@@ -118,6 +130,7 @@ class Job:
                     self.history.append((self.iteration, metrics.scales, metrics.arm_losses))
             if losses:
                 self.losses[self.iteration] = float(torch.stack([o["lm loss"] for o in losses]).mean())
+            self.digests[self.iteration] = self.params()["model"]
 
     def converge(self) -> None:
         metrics = self.hdet.converge()
@@ -153,6 +166,8 @@ class Job:
             "params": self.params(),
             "history": list(self.history),
             "iteration": self.iteration,
+            "digests": dict(self.digests),
+            "chunks": len(self.model),
         }
         if self.hdet is not None:
             out["scales"] = self.scheduler.controller.scales()

@@ -105,7 +105,9 @@ def moe_train(rank: int, world_size: int, case: dict) -> dict:
         model = toy.build_model(setup)
         optimizer = toy.build_optimizer(setup, model, **optimizer_kwargs)
         dp_rank = ps.get_data_parallel_rank()
-        data = toy.synthetic_batches(setup, seed=dp_rank % (arms or 2) if arm_data else dp_rank)
+        data = toy.synthetic_batches(
+            setup, seed=dp_rank % (ps.get_data_parallel_world_size() // (arms or 2)) if arm_data else dp_rank
+        )
         config = HDETConfig(
             period=period, arms=arms, grad_sync=grad_sync, axes=(Axis("lr", spread),), auto=False
         )

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hdet_megatron.megatron import mesh
+from tests.checkpoint_worker import Run, resume, train_and_save
+from tests.cp_worker import cp_cases, cp_layouts
 from tests.harness import run_world
 from tests.moe_worker import layout_cases, moe_cases
+from tests.test_checkpointing import FORMATS, _same_run
 
 
 def test_valid_arm_counts_keep_expert_groups_whole():
@@ -172,3 +176,115 @@ def test_expert_parallel_arm_mode_distributed_optimizer_and_tp2_ep2():
         _assert_close(out["same_arm"]["params"], out["same_global"]["params"], f"rank {rank}")
     # The check can fail: arm mode on different data is not global mode.
     assert results[0]["arm"]["steps"][0]["dense"] != results[0]["same_global"]["steps"][0]["dense"]
+
+
+@pytest.mark.slow
+def test_expert_parallel_checkpoint_resume_is_bit_exact(tmp_path):
+    """DP4 EP2 (4 experts, 2 arms, T=2), plain and with the partial distributed optimizer: save
+    mid-window at iteration 3 (the save converges) in both formats; a new world resumes each and
+    trains to 6, bit-identical to the uninterrupted run (every rank: its own experts)."""
+    moe = dict(num_experts=4, ep=2)
+    runs = [
+        ("moe", Run(arms=2, period=2, steps=6, setup=moe)),
+        ("moe_distopt", Run(arms=2, period=2, steps=6, dist_opt=True, setup=moe)),
+    ]
+    saves = {name: {3: FORMATS} for name, _ in runs}
+    saved = run_world(4, train_and_save, runs, str(tmp_path), saves, None, timeout=400)
+    assert [h[0] for h in saved[0][0]["history"]] == [2, 3, 5]
+    # Legacy files: one per EP rank (ranks 0 and 1 hold different experts).
+    assert sorted(p.name for p in (tmp_path / "moe" / "torch" / "iter_0000003").iterdir()) == [
+        "mp_rank_00_000",
+        "mp_rank_00_001",
+    ]
+    jobs = [(name, run, fmt, 3, ()) for name, run in runs for fmt in FORMATS]
+    resumed = run_world(4, resume, jobs, str(tmp_path), timeout=400)
+    for rank in range(4):
+        assert saved[rank][0]["params"] != saved[rank ^ 1][0]["params"]  # EP peers: other experts
+        for (name, _run, _fmt, it, _conv), result in zip(jobs, resumed[rank], strict=True):
+            reference = saved[rank][[n for n, _ in runs].index(name)]
+            _same_run(reference, result, it)
+
+
+@pytest.mark.slow
+def test_context_parallel_group_plumbing_with_a_test_only_cp_attention():
+    """CP2 x DP2 on 4 ranks (CP groups (0,1),(2,3); arms over DP: ranks 0,1 and 2,3), with the
+    test-only all-gather CP attention of tests/cp_worker.py."""
+    sgd = dict(optimizer="sgd", clip_grad=0.0, weight_decay=0.0)
+    same = dict(spread=0.0, arm_data=True, optimizer=sgd, steps=3, period=5)
+    cases = {
+        "cp1": dict(cp=1, steps=1, period=1),  # DP4 with Megatron's own attention: the reference
+        "global": dict(),
+        "arm": dict(grad_sync="arm"),
+        "distopt_arm": dict(grad_sync="arm", use_distributed_optimizer=True, bf16=True),
+        "same_global": dict(same),
+        "same_arm": dict(same, grad_sync="arm"),
+    }
+    results = run_world(4, cp_cases, cases, timeout=600)
+    # The stand-in is exact attention: the CP ranks' mean loss is the full sequence's loss.
+    cp_loss = (results[0]["global"]["steps"][0]["loss"] + results[1]["global"]["steps"][0]["loss"]) / 2
+    assert cp_loss == pytest.approx(results[0]["cp1"]["steps"][0]["loss"], rel=1e-5)
+    for name in ("global", "arm", "distopt_arm"):
+        runs = [r[name] for r in results]
+        assert [r["arm"] for r in runs] == [0, 0, 1, 1] and [r["row"] for r in runs] == [0, 1, 2, 3]
+        assert (
+            all(r["reporter"] for r in runs) and [r["grad_arm"] for r in runs] == [(0, 1)] * 2 + [(2, 3)] * 2
+        )
+        converges = 0
+        for step, entries in enumerate(zip(*(r["steps"] for r in runs), strict=True)):
+            d = [e["digest"] for e in entries]
+            assert d[0] == d[1] and d[2] == d[3], (name, step)  # CP ranks of a replica: same values
+            if entries[0]["converged"]:
+                converges += 1
+                assert len(set(d)) == 1, (name, step)
+            else:
+                assert d[0] != d[2], (name, step)
+        assert converges == 2
+        # The loss reporter counts CP: an arm's window loss is the mean over its CP ranks' rows.
+        for w, arm_losses in enumerate(runs[0]["windows"]):
+            for arm, ranks in ((0, (0, 1)), (1, (2, 3))):
+                local = [runs[r]["steps"][s]["loss"] for r in ranks for s in (2 * w, 2 * w + 1)]
+                assert arm_losses[arm] == pytest.approx(sum(local) / len(local), rel=1e-12)
+    for out in results:
+        # Gradient scaling: 1/(DP x CP) globally, 1/(CP ranks of the arm) in arm mode.
+        assert out["global"]["scaling"] == [0.25] and out["global"]["grad_cross_bytes"] > 0
+        assert out["arm"]["scaling"] == [0.5] and out["arm"]["grad_cross_bytes"] == 0
+        assert out["distopt_arm"]["grad_cross_bytes"] == 0
+        for x, y in zip(out["same_arm"]["params"], out["same_global"]["params"], strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_tp2_cp2_dp2_layout_groups_and_distributed_optimizer_instances():
+    results = run_world(8, cp_layouts, timeout=200)
+    for rank, out in enumerate(results):
+        # rank = tp + 2 cp + 4 dp; arms over DP (without CP), gradients over DP x CP.
+        tp, cp, dp = rank % 2, (rank // 2) % 2, rank // 4
+        cross = (rank % 4, rank % 4 + 4)
+        assert out["plain"] == (dp, (rank,), cross, (4 * dp + tp, 4 * dp + tp + 2), 2 * dp + cp)
+        assert "num_distributed_optimizer_instances=2" in out["distopt_1"]
+        assert out["distopt_2"] == (4 * dp + tp, 4 * dp + tp + 2)
+
+
+@pytest.mark.slow
+def test_virtual_pipeline_arms_converge_and_resume(tmp_path):
+    """PP2 x DP2 with the interleaved schedule (two model chunks per rank, 4 layers), 2 arms,
+    T=2: the replicas of each stage differ mid-window and are identical after every converge;
+    a mid-window save (iteration 3, both formats) resumes bit-identically in a new world."""
+    run = Run(pp=2, arms=2, period=2, steps=6, setup=dict(vpp=2, num_layers=4))
+    saved = run_world(
+        4, train_and_save, [("vpp", run)], str(tmp_path), {"vpp": {3: FORMATS}}, None, timeout=400
+    )
+    assert [h[0] for h in saved[0][0]["history"]] == [2, 3, 5]
+    for rank in range(4):
+        assert saved[rank][0]["chunks"] == 2
+    # rank = dp + 2 pp: DP replicas of a stage are ranks (0, 1) and (2, 3). (Iteration 1 runs
+    # at the warm-up's LR 0, so the arms part from iteration 2 on.)
+    for it in range(2, 7):
+        for a, b in ((0, 1), (2, 3)):
+            same = saved[a][0]["digests"][it] == saved[b][0]["digests"][it]
+            assert same == (it in (2, 3, 5)), (it, a, b)
+    jobs = [("vpp", run, fmt, 3, ()) for fmt in FORMATS]
+    resumed = run_world(4, resume, jobs, str(tmp_path), timeout=400)
+    for rank in range(4):
+        for result in resumed[rank]:
+            _same_run(saved[rank][0], result, 3)

@@ -1,7 +1,7 @@
 """Where this rank sits among HDET's arms, and the process groups that follow from it.
 
 Arms live on the data-parallel dimension only: with DP replicas and A arms, replica ``d`` belongs
-to arm ``d // (DP/A)``, and every TP/PP rank of a replica shares its replica's DP rank, so all
+to arm ``d // (DP/A)``, and every TP/CP/PP rank of a replica shares its replica's DP rank, so all
 shards of one model copy always train with the same hyperparameters.
 """
 
@@ -100,6 +100,21 @@ class ArmLayout:
     the same experts (and DistOpt shard); converge averages expert main params over these."""
     expert_cross_arm_group: dist.ProcessGroup | None = None
     """Group of :attr:`expert_cross_arm_ranks`."""
+    cp_size: int = 1
+    """Context-parallel size: CP ranks hold one replica's params and split its sequences."""
+    cp_rank: int = 0
+    """This rank's context-parallel rank."""
+
+    @property
+    def loss_rows(self) -> int:
+        """Loss reporters of the run: one per DP replica and CP rank (each CP rank's loss covers
+        its own part of the replica's sequences; an arm's loss is the mean over its rows)."""
+        return self.dp_size * self.cp_size
+
+    @property
+    def loss_row(self) -> int:
+        """This rank's row among :attr:`loss_rows` (meaningful on loss reporters)."""
+        return self.dp_rank * self.cp_size + self.cp_rank
 
     @classmethod
     def single(cls) -> ArmLayout:
@@ -154,8 +169,15 @@ class ArmLayout:
             # over expert-DP (``DistributedDataParallel.__init__``: ``dp_cp_group``, ``expt_dp_group``).
             dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
             expert_dp_group = parallel_state.get_expert_data_parallel_group(check_initialized=False)
-        if cp_size != 1:
-            raise HDETSetupError(f"context parallel size {cp_size} is not supported by HDET yet; use CP=1")
+        # Context parallelism: CP ranks are like TP ranks (one replica, the same arm and values;
+        # arms live on DP without CP), but gradients reduce over DP x CP.
+        cp_rank = (
+            pg_collection.cp.rank()
+            if pg_collection is not None and getattr(pg_collection, "cp", None)
+            else parallel_state.get_context_parallel_rank()
+            if cp_size > 1
+            else 0
+        )
         dp_ranks = tuple(dist.get_process_group_ranks(dp_group))
         dp_size = len(dp_ranks)
         dp_rank = dp_ranks.index(dist.get_rank())
@@ -219,6 +241,8 @@ class ArmLayout:
             expert_arm_group=groups[mine["expert_arm"]],
             expert_cross_arm_ranks=mine["expert_cross"],
             expert_cross_arm_group=groups[mine["expert_cross"]],
+            cp_size=cp_size,
+            cp_rank=cp_rank,
         )
 
     def check_distributed_optimizer(self, num_instances: int) -> None:

@@ -526,9 +526,9 @@ class HDET:
         reporter = layout.is_loss_reporter
         return reduce_window(
             num_arms=layout.num_arms,
-            num_rows=layout.dp_size,
+            num_rows=layout.loss_rows,
             arm=layout.arm,
-            row=layout.dp_rank if reporter else None,
+            row=layout.loss_row if reporter else None,
             group=layout.loss_group,
             device=self._loss_sum.device,
             train_sum=self._loss_sum / self.steps_in_window if reporter else 0.0,

@@ -93,6 +93,14 @@ class ToyGPTSetup:
     """Expert-tensor-parallel size (None: Megatron's default, the TP size)."""
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (needs TP > 1; MoE with TP x EP requires it)."""
+    vpp: int | None = None
+    """Virtual pipeline stages per rank (interleaved schedule; model chunks per rank), None: off."""
+    cp: int = 1
+    """Context-parallel size. Megatron's local attention refuses CP > 1 (real CP attention is
+    Transformer Engine's): give ``core_attention`` too, and split each sequence across the CP
+    ranks the way that attention expects."""
+    core_attention: Any = None
+    """Replacement for the layer spec's core attention module class (None: the spec's own)."""
 
 
 def init_parallel(setup: ToyGPTSetup) -> None:
@@ -101,6 +109,8 @@ def init_parallel(setup: ToyGPTSetup) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=setup.tp,
         pipeline_model_parallel_size=setup.pp,
+        context_parallel_size=setup.cp,
+        virtual_pipeline_model_parallel_size=setup.vpp,
         num_distributed_optimizer_instances=setup.num_distributed_optimizer_instances,
         expert_model_parallel_size=setup.ep,
         expert_tensor_parallel_size=setup.etp,
@@ -132,6 +142,8 @@ def transformer_config(setup: ToyGPTSetup) -> TransformerConfig:
         use_cpu_initialization=not setup.cuda,
         tensor_model_parallel_size=setup.tp,
         pipeline_model_parallel_size=setup.pp,
+        context_parallel_size=setup.cp,
+        virtual_pipeline_model_parallel_size=setup.vpp,
         pipeline_dtype=_dtype(setup),
         bf16=setup.bf16,
         fp16=setup.fp16,
@@ -171,19 +183,34 @@ def layer_spec(setup: ToyGPTSetup):
     if setup.transformer_impl != "local":
         raise ValueError(f"transformer_impl={setup.transformer_impl!r}: use 'local' or 'transformer_engine'")
     # SequentialMLP experts (moe_grouped_gemm=False): the grouped GEMM needs Transformer Engine.
-    return get_gpt_layer_local_spec(num_experts=setup.num_experts, moe_grouped_gemm=False)
+    spec = get_gpt_layer_local_spec(num_experts=setup.num_experts, moe_grouped_gemm=False)
+    if setup.core_attention is not None:
+        spec.submodules.self_attention.submodules.core_attention = setup.core_attention
+    return spec
 
 
 def build_model(setup: ToyGPTSetup, ddp_group_kwargs: dict | None = None) -> list:
-    """GPTModel chunk(s) on this rank, wrapped in Megatron DDP. Returns the list of chunks."""
+    """GPTModel chunk(s) on this rank, wrapped in Megatron DDP. Returns the list of chunks
+    (``setup.vpp`` of them with a virtual pipeline, else one)."""
     config = transformer_config(setup)
+    if setup.vpp is None:
+        return [_build_chunk(setup, config, None, ddp_group_kwargs)]
+    # Megatron-LM's get_model: one chunk per virtual stage; buckets only in the first chunk.
+    return [
+        _build_chunk(setup, config, vp, ddp_group_kwargs, disable_bucketing=vp > 0) for vp in range(setup.vpp)
+    ]
+
+
+def _build_chunk(setup, config, vp_stage, ddp_group_kwargs, disable_bucketing: bool = False):
+    virtual = dict(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(setup),
         vocab_size=setup.vocab_size,
         max_sequence_length=setup.seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(**virtual),
+        post_process=parallel_state.is_pipeline_last_stage(**virtual),
+        **({"vp_stage": vp_stage} if vp_stage is not None else {}),
     )
     if setup.cuda:
         model.cuda(torch.cuda.current_device())
@@ -197,10 +224,17 @@ def build_model(setup: ToyGPTSetup, ddp_group_kwargs: dict | None = None) -> lis
         use_distributed_optimizer=setup.use_distributed_optimizer,
         num_distributed_optimizer_instances=setup.num_distributed_optimizer_instances,
     )
-    ddp = DistributedDataParallel(config, ddp_config, model, **(ddp_group_kwargs or {}))
-    config.no_sync_func = ddp.no_sync
+    ddp = DistributedDataParallel(
+        config, ddp_config, model, disable_bucketing=disable_bucketing, **(ddp_group_kwargs or {})
+    )
+    if vp_stage is None:
+        config.no_sync_func = ddp.no_sync
+    elif vp_stage == 0:
+        config.no_sync_func = []
+    if vp_stage is not None:
+        config.no_sync_func.append(ddp.no_sync)
     config.finalize_model_grads_func = finalize_model_grads
-    return [ddp]
+    return ddp
 
 
 def build_optimizer(setup: ToyGPTSetup, model: list, config_overrides=None, **overrides: Any):

@@ -52,7 +52,16 @@ def _legacy_file(ckpt_dir: str) -> str:
     name = f"mp_rank_{tp:02d}"
     if ps.get_pipeline_model_parallel_world_size() > 1:
         name += f"_{pp:03d}"
+    if _expert_parallel_size() > 1:
+        # Megatron-LM's get_checkpoint_name: one file per expert-parallel rank too (its ranks
+        # hold different experts).
+        name += f"_{ps.get_expert_model_parallel_rank():03d}"
     return os.path.join(ckpt_dir, name, LEGACY_FILE)
+
+
+def _expert_parallel_size() -> int:
+    group = ps.get_expert_model_parallel_group(check_initialized=False)
+    return group.size() if group is not None else 1
 
 
 def _unwrap(chunk):

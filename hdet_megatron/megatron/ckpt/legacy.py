@@ -1,5 +1,5 @@
-"""The legacy (``torch.save``) format: one file per TP/PP rank from DP rank 0, plus per-DP-rank
-distributed-optimizer files.
+"""The legacy (``torch.save``) format: one file per TP/PP(/EP) rank from DP rank 0 (expert-DP rank
+0 with EP), plus per-DP-rank distributed-optimizer files.
 
 HDET's state travels inside ``opt_param_scheduler`` (Megatron-LM's own ``save_checkpoint`` picks
 it up from ``opt_param_scheduler.state_dict()`` unchanged).
@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from hdet_megatron.megatron import cpu as _cpu  # noqa: F401  (shims before megatron.core)
 from hdet_megatron.megatron.ckpt.files import (
+    _expert_parallel_size,
     _is_distopt,
     _layout_meta,
     _legacy_file,
@@ -57,7 +58,14 @@ def _save_legacy(ckpt_dir, model, optimizer, common, rng) -> None:
             {"param_state": _distopt_param_state(optimizer), "layout": _layout_meta()},
             _distopt_file(ckpt_dir),
         )
-    if ps.get_data_parallel_rank(with_context_parallel=True) != 0:
+    # One writer per file: DP rank 0, or with expert parallelism expert-DP rank 0 (one per EP
+    # rank, as Megatron-LM's legacy save), since EP ranks of one replica hold different experts.
+    writer = (
+        ps.get_expert_data_parallel_rank() == 0
+        if _expert_parallel_size() > 1
+        else ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    )
+    if not writer:
         return
     state = dict(common)
     for i, chunk in enumerate(model):
