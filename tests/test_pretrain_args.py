@@ -167,12 +167,67 @@ def test_hdet_flags_cover_every_config_field(pg, data):
         (["--mock-data", "--hdet-axis", "lr"], 4, "--hdet-axis 'lr': expected NAME:SPREAD"),
         (["--mock-data", "--bogus-flag"], 4, "unrecognized arguments: --bogus-flag"),
         (["--mock-data", "--tokenizer-type", "GPT2BPETokenizer"], 4, "--mock-data uses synthetic token ids"),
+        # Mixture of experts and context parallelism (issue 26).
+        (
+            ["--mock-data", "--num-experts", "4", "--expert-model-parallel-size", "2", "--hdet-arms", "4"],
+            4,
+            "--hdet-arms 4 splits expert-parallel groups (EP 2): an arm must hold whole expert groups; "
+            "use one of [1, 2]",
+        ),
+        (
+            ["--mock-data", "--num-experts", "4", "--expert-model-parallel-size", "4"],
+            4,
+            "HDET cannot place arms: every expert-parallel group (EP 4) spans all 4",
+        ),
+        (["--mock-data", "--expert-model-parallel-size", "2"], 4, "need --num-experts"),
+        (
+            ["--mock-data", "--num-experts", "3", "--expert-model-parallel-size", "2"],
+            4,
+            "--num-experts 3 must be a positive multiple of EP 2",
+        ),
+        (
+            ["--mock-data", "--num-experts", "4", "--moe-router-topk", "5"],
+            4,
+            "--moe-router-topk 5 must be in [1, --num-experts]",
+        ),
+        (
+            [
+                "--mock-data",
+                "--num-experts",
+                "4",
+                "--expert-model-parallel-size",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+            ],
+            4,
+            "MoE with EP > 1 and TP > 1 needs --sequence-parallel",
+        ),
+        (
+            ["--mock-data", "--sequence-parallel"],
+            4,
+            "--sequence-parallel needs --tensor-model-parallel-size > 1",
+        ),
+        (
+            ["--mock-data", "--context-parallel-size", "2"],
+            4,
+            "--context-parallel-size > 1 needs Transformer Engine",
+        ),
+        (["--mock-data", "--context-parallel-size", "3"], 4, "not divisible by TP x CP x PP = 1 x 3 x 1"),
     ],
 )
 def test_bad_input_is_a_clear_error(pg, argv, world, needle):
     with pytest.raises(pg.UsageError) as info:
         parse(pg, argv, world)
     assert needle in str(info.value)
+
+
+def test_moe_and_cp_flags_choose_arms_that_keep_expert_groups_whole(pg):
+    # DP4 EP2: the default is 2 arms (4 would split EP groups); without EP one per replica.
+    args, hdet = parse(pg, ["--mock-data", "--num-experts", "4", "--expert-model-parallel-size", "2"])
+    assert hdet is not None and args.hdet_num_arms == 2 and args.data_parallel_size == 4
+    args, _ = parse(pg, ["--mock-data", "--num-experts", "4", "--moe-token-dispatcher-type", "alltoall"])
+    assert args.hdet_num_arms == 4 and args.moe_token_dispatcher_type == "alltoall"
 
 
 def test_data_path_hint_and_tokenizer_mismatch(pg, data):

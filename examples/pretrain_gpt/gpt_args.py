@@ -72,9 +72,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="layer spec: Megatron-Core local modules or Transformer Engine (GPU)",
     )
 
+    g.add_argument(
+        "--num-experts", type=int, default=None, help="mixture of experts: experts per MLP (default: dense)"
+    )
+    g.add_argument("--moe-router-topk", type=int, default=2, help="MoE: experts per token")
+    g.add_argument(
+        "--moe-token-dispatcher-type",
+        choices=("allgather", "alltoall"),
+        default="allgather",
+        help="MoE: how tokens reach the experts' ranks",
+    )
+
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="split each sequence over this many ranks (needs --transformer-impl transformer_engine)",
+    )
+    g.add_argument(
+        "--expert-model-parallel-size",
+        type=int,
+        default=1,
+        help="MoE: split the experts over this many ranks",
+    )
+    g.add_argument(
+        "--expert-tensor-parallel-size", type=int, default=None, help="MoE: TP of the experts (default: TP)"
+    )
+    g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Megatron sequence parallelism (TP > 1; TP x EP needs it)",
+    )
     g.add_argument(
         "--use-distributed-optimizer",
         action="store_true",
@@ -335,7 +366,8 @@ def validate_args(args, argv: list[str], world_size: int):
             "launch a multiple of TP x PP processes (torchrun --nproc-per-node ...) or change "
             "--tensor-model-parallel-size / --pipeline-model-parallel-size"
         )
-    dp = world_size // (tp * pp)
+    _check_moe_and_cp(args, world_size)
+    dp = world_size // (tp * pp * args.context_parallel_size)
     args.world_size, args.data_parallel_size = world_size, dp
     if args.num_layers % pp:
         raise UsageError(f"--num-layers {args.num_layers} is not divisible by PP {pp}")
@@ -424,12 +456,28 @@ def validate_args(args, argv: list[str], world_size: int):
     except HDETConfigError as exc:
         raise UsageError(str(exc)) from None
     if hdet is not None:
-        arms = hdet.arms or dp
+        cp, ep = args.context_parallel_size, args.expert_model_parallel_size
+        # An arm must hold whole expert groups (HDET's ArmLayout checks the real groups again):
+        # in megatron-core's order tp-cp-ep-dp-pp a replica is TP x CP consecutive ranks of a
+        # stage and an expert group expert-TP x EP of them, spanning this many replicas.
+        span = max(1, ep * (args.expert_tensor_parallel_size or tp) // (tp * cp)) if args.num_experts else 1
+        valid = [a for a in range(1, dp + 1) if dp % a == 0 and (dp // a) % span == 0]
+        arms = hdet.arms or valid[-1]
         if dp % arms:
             raise UsageError(
                 f"--hdet-arms {arms} must divide the data-parallel size {dp} "
-                f"(world {world_size} / TP {tp} / PP {pp}); use one of "
+                f"(world {world_size} / TP {tp} / CP {cp} / PP {pp}); use one of "
                 f"{[a for a in range(1, dp + 1) if dp % a == 0]}"
+            )
+        if arms not in valid:
+            raise UsageError(
+                f"--hdet-arms {arms} splits expert-parallel groups (EP {ep}): an arm must hold whole "
+                f"expert groups; use one of {valid}"
+            )
+        if hdet.arms is None and valid[-1] == 1 and dp > 1:
+            raise UsageError(
+                f"HDET cannot place arms: every expert-parallel group (EP {ep}) spans all {dp} "
+                "data-parallel replicas; lower --expert-model-parallel-size or add replicas"
             )
         args.hdet_num_arms = arms
         if args.eval_iters and args.eval_interval % hdet.period:
@@ -446,6 +494,52 @@ def validate_args(args, argv: list[str], world_size: int):
             "runs", datetime.datetime.now().strftime("gpt-%Y%m%d-%H%M%S")
         )
     return hdet
+
+
+def _check_moe_and_cp(args, world_size: int) -> None:
+    """Mixture-of-experts and context-parallel flags: one line per bad combination."""
+    tp, pp, cp = (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.context_parallel_size,
+    )
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    for name in ("context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if world_size % (tp * cp * pp):
+        raise UsageError(
+            f"world size {world_size} is not divisible by TP x CP x PP = {tp} x {cp} x {pp}: change "
+            "--context-parallel-size or the number of processes"
+        )
+    if cp > 1:
+        if args.transformer_impl != "transformer_engine":
+            raise UsageError(
+                "--context-parallel-size > 1 needs Transformer Engine's attention: add "
+                "--transformer-impl transformer_engine (GPU); Megatron's local attention has no CP"
+            )
+        if args.seq_length % (2 * cp):
+            raise UsageError(f"--seq-length {args.seq_length} must be divisible by 2 x CP = {2 * cp}")
+    if args.sequence_parallel and tp == 1:
+        raise UsageError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if args.num_experts is None:
+        if ep > 1 or etp is not None:
+            raise UsageError(
+                "--expert-model-parallel-size / --expert-tensor-parallel-size need --num-experts"
+            )
+        return
+    if args.num_experts < 1 or args.num_experts % ep:
+        raise UsageError(f"--num-experts {args.num_experts} must be a positive multiple of EP {ep}")
+    if not 1 <= args.moe_router_topk <= args.num_experts:
+        raise UsageError(f"--moe-router-topk {args.moe_router_topk} must be in [1, --num-experts]")
+    expert_mp = ep * (etp or tp)
+    if (world_size // pp) % expert_mp:
+        raise UsageError(
+            f"EP x expert TP = {ep} x {etp or tp} does not divide the {world_size // pp} ranks of a "
+            "pipeline stage: change --expert-model-parallel-size / --expert-tensor-parallel-size"
+        )
+    if ep > 1 and tp > 1 and not args.sequence_parallel:
+        raise UsageError("MoE with EP > 1 and TP > 1 needs --sequence-parallel (Megatron requires it)")
 
 
 def _check_files(args) -> None:

@@ -56,6 +56,9 @@ class Trainer(TrainerData):
         ps.initialize_model_parallel(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            context_parallel_size=args.context_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
             num_distributed_optimizer_instances=instances,
         )
         self.instances = instances
@@ -126,15 +129,20 @@ class Trainer(TrainerData):
             bias_activation_fusion=False,
             apply_rope_fusion=False,
             persist_layer_norm=False,
+            context_parallel_size=args.context_parallel_size,
+            sequence_parallel=args.sequence_parallel,
+            **self._moe_config(),
         )
+        # MoE: SequentialMLP experts (the grouped GEMM needs Transformer Engine's kernels).
+        moe = dict(num_experts=args.num_experts, moe_grouped_gemm=False)
         if args.transformer_impl == "transformer_engine":
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-            spec = get_gpt_layer_with_transformer_engine_spec()
+            spec = get_gpt_layer_with_transformer_engine_spec(**moe)
         else:
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-            spec = get_gpt_layer_local_spec()
+            spec = get_gpt_layer_local_spec(**moe)
         model = GPTModel(
             config=config,
             transformer_layer_spec=spec,
@@ -166,6 +174,18 @@ class Trainer(TrainerData):
         count = torch.tensor([float(local)], device=self.device)
         self.dist.all_reduce(count, group=ps.get_model_parallel_group())
         self.num_params = int(count.item())
+
+    def _moe_config(self) -> dict:
+        args = self.args
+        if args.num_experts is None:
+            return {}
+        return dict(
+            num_moe_experts=args.num_experts,
+            moe_router_topk=args.moe_router_topk,
+            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        )
 
     def _build_optimizer(self) -> None:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -230,6 +250,16 @@ class Trainer(TrainerData):
         from functools import partial
 
         batch = next(data_iterator)
+        if self.args.context_parallel_size > 1:
+            # Megatron-LM's split for Transformer Engine's CP attention: this rank's two
+            # load-balanced sequence chunks (2 x CP chunks, rank i holds i and 2 CP - 1 - i).
+            from megatron.core.utils import get_batch_on_this_cp_rank
+
+            batch = get_batch_on_this_cp_rank(
+                {**batch, "cu_seqlens": None},
+                is_hybrid_cp=False,
+                cp_group=self.ps.get_context_parallel_group(),
+            )
         output = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"])
         return output, partial(self._loss_func, batch["loss_mask"])
 
