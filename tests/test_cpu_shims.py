@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 
@@ -115,3 +116,46 @@ def test_stale_pattern_fails_loudly():
     )
     with pytest.raises(cpu.ShimError, match="no longer contains"):
         cpu.rewritten_source(bad)
+
+
+def test_moe_shims_move_token_splits_to_numpy_and_keep_the_router_on_cpu():
+    """MoE on CPU: the alltoall dispatcher's token splits become host numpy arrays (what
+    ``all_to_all_single`` takes; upstream converts only CUDA tensors), and the router's gate
+    stays on the CPU (upstream moves it to the current CUDA device)."""
+    import numpy as np
+
+    from megatron.core.transformer.moe import moe_utils
+
+    original = cpu.original_function("megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu")
+    splits = torch.tensor([3, 5])
+    assert original(splits, as_numpy=True) is splits  # unconverted: all_to_all_single refuses it
+    moved = moe_utils.maybe_move_tensor_to_cpu(splits, as_numpy=True)
+    assert isinstance(moved, np.ndarray) and moved.tolist() == [3, 5]
+    assert moe_utils.maybe_move_tensor_to_cpu(splits) is splits
+    gating = cpu.original_function("megatron.core.transformer.moe.router.Router.gating")
+    assert "torch.cuda.current_device()" in inspect.getsource(gating)
+
+
+def test_shim_e_sequence_parallel_with_the_local_layer_norm():
+    """Upstream's WrappedTorchNorm refuses sequence parallelism; the shim builds the same norm
+    and marks its params ``sequence_parallel`` (as Apex's FusedLayerNorm does), so that
+    finalize_model_grads sums their gradients over TP. The config is left as it was."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+    )
+    original = cpu.original_function("transformer.torch_norm.WrappedTorchNorm.__new__")
+    with pytest.raises(AssertionError, match="sequence parallel not supported"):
+        original(WrappedTorchNorm, config, 8)
+    norm = WrappedTorchNorm(config, 8)
+    assert isinstance(norm, torch.nn.LayerNorm) and config.sequence_parallel is True
+    assert [getattr(p, "sequence_parallel", False) for p in norm.parameters()] == [True, True]
+    config.sequence_parallel = False
+    plain = WrappedTorchNorm(config, 8)
+    assert not any(hasattr(p, "sequence_parallel") for p in plain.parameters())
