@@ -5,6 +5,9 @@ the ``megatron.training`` package of megatron-core 0.19.2 **after** ``patches/ap
 patched it. Every Megatron-LM flag works as usual; the patch adds the ``--hdet-*`` flags
 (``hdet_megatron/args.py``; ``--no-hdet`` trains plain Megatron). Per-arm LRs and every converge
 are printed as ``[HDET] ...`` lines and written to TensorBoard / W&B when those are configured.
+``--hdet-signal probe``/``line``/``average`` score the arms on the next training batches, read
+ahead of the training stream and run through Megatron's ``forward_backward_func`` with
+:func:`forward_step` (docs/patch-and-docker.md).
 
 GPU (NGC image, see docker/README.md), 2 nodes x 8 GPUs, TP2, DP8 = 8 arms::
 

@@ -197,6 +197,8 @@ def on_setup(model, optimizer, opt_param_scheduler) -> None:
     _STATE.runtime = hdet
     _STATE.probe = probe
     config = hdet.config
+    # The signal the run uses: HDET may resolve an automatic choice once it knows of the probe.
+    probe.signal = config.signal
     layout = hdet.layout
     axes = ", ".join(f"{a.name}:{a.spread:g}" for a in config.axes)
     _print0(
