@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import logging
 import sys
 import textwrap
 import types
@@ -373,6 +374,13 @@ def _compile_rewrite(rewrite: SourceRewrite) -> tuple[Callable, Callable]:
     return original, new_func
 
 
+class _SpuriousForkWarning(logging.Filter):
+    """Drops CudaRNGStatesTracker.fork's CPU-RNG warning (see :func:`_install_rng_shims`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "CPU RNG state changed within GPU RNG context"
+
+
 def _install_rng_shims() -> None:
     """Shim B: the model-parallel RNG tracker keeps CPU generator states."""
     from megatron.core.tensor_parallel import random as mp_random
@@ -403,6 +411,10 @@ def _install_rng_shims() -> None:
     mp_random._get_cuda_rng_state = _get_cpu_rng_state
     mp_random._set_cuda_rng_state = _set_cpu_rng_state
     mp_random.CudaRNGStatesTracker.add = add
+    # CudaRNGStatesTracker.fork warns when the CPU generator changed inside a fork: with this
+    # shim the forked "CUDA" state *is* the CPU generator's (restored on exit), so every random op
+    # in a fork (dropout in MoE experts, ...) would warn, on every rank and step.
+    logging.getLogger(mp_random.__name__).addFilter(_SpuriousForkWarning())
     # torch.manual_seed also seeds CUDA lazily; model_parallel_cuda_manual_seed's
     # torch.cuda.manual_seed is a queued lazy call without CUDA and needs nothing.
 
