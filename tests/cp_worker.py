@@ -145,7 +145,8 @@ def cp_cases(rank: int, world_size: int, cases: dict) -> dict:
 
 
 def cp_layouts(rank: int, world_size: int) -> dict:
-    """ArmLayout groups on TP2 x CP2 x DP2 (8 ranks), and the DistOpt instance check with CP."""
+    """ArmLayout groups on TP2 x CP2 x DP2 (8 ranks), the DistOpt instance check with CP, and
+    training on that mesh (``global`` and ``arm``)."""
     from hdet_megatron.megatron.layout import ArmLayout, HDETSetupError
 
     out = {}
@@ -171,4 +172,6 @@ def cp_layouts(rank: int, world_size: int) -> dict:
     layout.check_distributed_optimizer(2)  # instance = the arm's DP x CP ranks: accepted
     out["distopt_2"] = layout.grad_arm_ranks
     ps.destroy_model_parallel()
+    # And training on TP2 x CP2 x DP2, both gradient-sync modes.
+    out.update(cp_cases(rank, world_size, {"global": dict(tp=2), "arm": dict(tp=2, grad_sync="arm")}))
     return out

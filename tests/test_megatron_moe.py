@@ -254,8 +254,8 @@ def test_context_parallel_group_plumbing_with_a_test_only_cp_attention():
 
 
 @pytest.mark.slow
-def test_tp2_cp2_dp2_layout_groups_and_distributed_optimizer_instances():
-    results = run_world(8, cp_layouts, timeout=200)
+def test_tp2_cp2_dp2_groups_distributed_optimizer_instances_and_training():
+    results = run_world(8, cp_layouts, timeout=400)
     for rank, out in enumerate(results):
         # rank = tp + 2 cp + 4 dp; arms over DP (without CP), gradients over DP x CP.
         tp, cp, dp = rank % 2, (rank // 2) % 2, rank // 4
@@ -263,6 +263,18 @@ def test_tp2_cp2_dp2_layout_groups_and_distributed_optimizer_instances():
         assert out["plain"] == (dp, (rank,), cross, (4 * dp + tp, 4 * dp + tp + 2), 2 * dp + cp)
         assert "num_distributed_optimizer_instances=2" in out["distopt_1"]
         assert out["distopt_2"] == (4 * dp + tp, 4 * dp + tp + 2)
+        assert out["arm"]["grad_cross_bytes"] == 0 and out["global"]["grad_cross_bytes"] > 0
+        assert out["arm"]["scaling"] == [0.5] and out["global"]["scaling"] == [0.25]
+        assert out["global"]["reporter"] == (tp == 0) and out["global"]["row"] == 2 * dp + cp
+    for name in ("global", "arm"):
+        for step in range(4):
+            d = [out[name]["steps"][step]["digest"] for out in results]
+            converged = results[0][name]["steps"][step]["converged"]
+            assert converged == (step in (1, 3))
+            for rank in range(8):
+                assert d[rank] == d[rank ^ 2], (name, step, rank)  # CP peers: same values
+                assert (d[rank] == d[rank ^ 4]) == converged, (name, step, rank)  # the other arm
+        assert results[0][name]["windows"][0][0] != results[0][name]["windows"][0][1]
 
 
 @pytest.mark.slow
