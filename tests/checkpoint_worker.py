@@ -113,6 +113,10 @@ class Job:
             toy.synthetic_batches(self.setup, seed=ps.get_data_parallel_rank())
             for _ in range(self.setup.vpp or 1)
         ]
+        if self.setup.cp > 1:  # the contiguous split tests/cp_worker.py's test-only attention expects
+            from tests.cp_worker import cp_chunks
+
+            streams = [cp_chunks(s, ps.get_context_parallel_rank(), self.setup.cp) for s in streams]
         for stream in streams:
             for _ in range(iteration * self.setup.num_microbatches):
                 next(stream)

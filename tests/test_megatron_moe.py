@@ -7,7 +7,7 @@ import torch
 
 from hdet_megatron.megatron import mesh
 from tests.checkpoint_worker import Run, resume, train_and_save
-from tests.cp_worker import cp_cases, cp_layouts
+from tests.cp_worker import AllGatherCPAttention, cp_cases, cp_layouts
 from tests.harness import run_world
 from tests.moe_worker import layout_cases, moe_cases
 from tests.test_checkpointing import FORMATS, _same_run
@@ -179,14 +179,17 @@ def test_expert_parallel_arm_mode_distributed_optimizer_and_tp2_ep2():
 
 
 @pytest.mark.slow
-def test_expert_parallel_checkpoint_resume_is_bit_exact(tmp_path):
-    """DP4 EP2 (4 experts, 2 arms, T=2), plain and with the partial distributed optimizer: save
-    mid-window at iteration 3 (the save converges) in both formats; a new world resumes each and
-    trains to 6, bit-identical to the uninterrupted run (every rank: its own experts)."""
+def test_expert_and_context_parallel_checkpoint_resume_is_bit_exact(tmp_path):
+    """DP4 EP2 (4 experts, 2 arms, T=2), plain and with the partial distributed optimizer, and
+    CP2 x DP2: save mid-window at iteration 3 (the save converges) in both formats; a new world
+    resumes each and trains to 6, bit-identical to the uninterrupted run (every rank: its own
+    experts)."""
     moe = dict(num_experts=4, ep=2)
     runs = [
         ("moe", Run(arms=2, period=2, steps=6, setup=moe)),
         ("moe_distopt", Run(arms=2, period=2, steps=6, dist_opt=True, setup=moe)),
+        # CP2 x DP2 with the test-only CP attention (tests/cp_worker.py).
+        ("cp", Run(arms=2, period=2, steps=6, setup=dict(cp=2, core_attention=AllGatherCPAttention))),
     ]
     saves = {name: {3: FORMATS} for name, _ in runs}
     saved = run_world(4, train_and_save, runs, str(tmp_path), saves, None, timeout=400)
@@ -200,6 +203,7 @@ def test_expert_parallel_checkpoint_resume_is_bit_exact(tmp_path):
     resumed = run_world(4, resume, jobs, str(tmp_path), timeout=400)
     for rank in range(4):
         assert saved[rank][0]["params"] != saved[rank ^ 1][0]["params"]  # EP peers: other experts
+        assert saved[rank][2]["params"] == saved[rank ^ 1][2]["params"]  # CP peers: the same
         for (name, _run, _fmt, it, _conv), result in zip(jobs, resumed[rank], strict=True):
             reference = saved[rank][[n for n, _ in runs].index(name)]
             _same_run(reference, result, it)

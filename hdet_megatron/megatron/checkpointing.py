@@ -336,7 +336,8 @@ def load_checkpoint(
     if load_rng:
         rng = loaded.get("rng_state")
         if fmt == "torch" and isinstance(rng, list):
-            rng = rng[ps.get_data_parallel_rank()] if same_layout else None
+            # Gathered over DP x CP at save (ckpt.legacy._save_legacy): index by that rank.
+            rng = rng[ps.get_data_parallel_rank(with_context_parallel=True)] if same_layout else None
         if rng is not None:
             _set_rng_state(rng)
         elif "rng_state" in common or fmt == "torch_dist":

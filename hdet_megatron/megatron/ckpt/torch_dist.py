@@ -38,14 +38,16 @@ def _rng_sharded_object(data) -> Any:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     meta = _layout_meta()
+    # One object per rank: CP ranks share their DP rank, so the last axis is DP x CP (equal to
+    # DP, as before, without context parallelism).
     return ShardedObject(
         "rng_state",
         data,
-        (meta["pp"], meta["tp"], meta["dp"]),
+        (meta["pp"], meta["tp"], ps.get_data_parallel_world_size(with_context_parallel=True)),
         (
             ps.get_pipeline_model_parallel_rank(),
             ps.get_tensor_model_parallel_rank(),
-            ps.get_data_parallel_rank(),
+            ps.get_data_parallel_rank(with_context_parallel=True),
         ),
         replica_id=0,
     )
