@@ -92,3 +92,16 @@ def test_probe_errors():
     probe.new_window(1)
     with pytest.raises(HDETSetupError, match="training data ended"):
         next(_WindowBatches(probe, 0))
+
+
+def test_training_may_change_its_batches_after_the_probe():
+    data = Rerun(_batches(2))
+    probe = TrainingLoopProbe("average")
+    _bind(probe, data)
+    probe.new_window(0)
+    assert _tokens(next(_WindowBatches(probe, 0))) == [0, 1]
+    taken = next(data)  # training reassigns an entry of the batch it took (as get_batch may)
+    taken["tokens"] = taken["tokens"] * 0
+    next(data)
+    probe.new_window(1)  # end of data: window 0's batch again, as it was read
+    assert _tokens(next(_WindowBatches(probe, 0))) == [0, 1]

@@ -205,7 +205,9 @@ class TrainingLoopProbe:
                 batch = previous[k]
             if self.signal == "probe":
                 batch = self._shared(batch)
-            batches.append(batch)
+            # Our own copy: the training step that takes this batch may change it (a forward
+            # step that reassigns its dict entries), and a later window may probe it again.
+            batches.append(_copy(batch))
         return batches[index]
 
     def _shared(self, batch: Any) -> Any:
