@@ -404,6 +404,34 @@ def main() -> None:
             ("linefix-best", best, hdet_args(args, auto=False, signal="line", rule="newton")),
             ("linefix-high", best * 4, hdet_args(args, auto=False, signal="line", rule="newton")),
         ]
+        # Issue 25: auto-LR with nothing but the period given (every other HDET field at its
+        # default: signal average + newton with the example's probe, slow start, brake,
+        # noise-aware steps), from guesses 1/16..16x the best LR, next to plain Megatron at the
+        # same guess (x1/4..x4 are sweep points).
+        guesses = {"x0.0625": 1 / 16, "x0.25": 1 / 4, "x1": 1.0, "x4": 4.0, "x16": 16.0}
+        for tag, factor in guesses.items():
+            plan.append((f"def-{tag}", best * factor, ["--hdet-period", str(args.period)]))
+            # The guards off (start at the guess, no brake, no noise-aware shrink): what each adds.
+            plan.append(
+                (
+                    f"noguard-{tag}",
+                    best * factor,
+                    [
+                        "--hdet-period",
+                        str(args.period),
+                        "--hdet-start-scale",
+                        "1",
+                        "--no-hdet-brake",
+                        "--no-hdet-noise-aware",
+                    ],
+                )
+            )
+        for tag in ("x0.0625", "x16"):
+            plan.append((f"plain-{tag}", best * guesses[tag], ["--no-hdet"]))
+        # A 2-D baseline: plain Megatron over peak LR x warm-up length (100 iterations instead
+        # of --warmup), so the comparison is with a 2-D hand search, not only a 1-D sweep.
+        for factor in (1.0, 2.0, 4.0):
+            plan.append((f"warm100-x{factor:g}", best * factor, ["--no-hdet", "--lr-warmup-iters", "100"]))
         for name, lr, flags in plan:
             if args.only and name not in args.only:
                 continue

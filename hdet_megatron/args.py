@@ -14,7 +14,11 @@ Flags: ``--no-hdet``, ``--hdet-period``, ``--hdet-arms``, ``--hdet-grad-sync``,
 ``--hdet-auto-start``, ``--hdet-temperature`` (float or ``auto``), ``--hdet-meta-lr``,
 ``--hdet-momentum``, ``--hdet-scale-bounds MIN MAX``, ``--hdet-rule``, ``--hdet-seed``,
 ``--hdet-bucket-mb``, ``--no-hdet-home-main-params``, ``--hdet-converge-on-save/--no-hdet-converge-on-save``,
-``--hdet-nonfinite``, ``--hdet-rollback``, ``--hdet-signal``.
+``--hdet-nonfinite``, ``--hdet-rollback``, ``--hdet-signal``, ``--hdet-start-scale``,
+``--hdet-brake/--no-hdet-brake``, ``--hdet-brake-factor``, ``--hdet-brake-spike``,
+``--hdet-brake-rise``, ``--hdet-brake-hold``, ``--hdet-noise-aware/--no-hdet-noise-aware``.
+Flags left at ``auto`` (signal, rule) or unset (spread, meta LR, momentum, start scale) take the
+measured defaults when the run starts (:meth:`HDETConfig.resolve`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import replace
 
-from hdet_megatron.config import Axis, HDETConfig, HDETConfigError, parse_axis
+from hdet_megatron.config import TRAIN_DEFAULTS, Axis, HDETConfig, HDETConfigError, parse_axis
 from hdet_megatron.preflight import integer, number
 
 _DEFAULT = HDETConfig()
@@ -73,13 +77,14 @@ def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="NAME:SPREAD[:MIN:MAX]",
         help="explored hyperparameter (repeatable): lr, lr:<group>, weight_decay, "
-        "dropout, attention_temperature; default lr:0.1111",
+        "dropout, attention_temperature; default: lr with the measured spread (0.3 with a line signal, else 1/9)",
     )
     g.add_argument(
         "--hdet-spread",
         type=number(),
         default=None,
-        help="spread of the LR axis (shorthand when no --hdet-axis is given)",
+        help="spread of the LR axis (shorthand when no --hdet-axis is given; default: 0.3 "
+        "with a line signal, else 1/9)",
     )
     g.add_argument(
         "--hdet-spread-kind",
@@ -112,8 +117,12 @@ def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=_DEFAULT.temperature,
         help="softmax temperature sigma over arm losses, or 'auto'",
     )
-    g.add_argument("--hdet-meta-lr", type=number(), default=_DEFAULT.meta_lr, help="lambda")
-    g.add_argument("--hdet-momentum", type=number(), default=_DEFAULT.momentum, help="beta")
+    g.add_argument(
+        "--hdet-meta-lr", type=number(), default=None, help="lambda (default: 1.0 with newton, else 0.5)"
+    )
+    g.add_argument(
+        "--hdet-momentum", type=number(), default=None, help="beta (default: 0.5 with newton, else 0.9)"
+    )
     g.add_argument(
         "--hdet-scale-bounds",
         type=number(),
@@ -124,11 +133,11 @@ def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--hdet-rule",
-        choices=("relative", "paper", "newton"),
+        choices=("auto", "relative", "paper", "newton"),
         default=_DEFAULT.rule,
-        help="controller update: 'relative' (softmax, default), 'paper' (the paper's "
-        "absolute rule) or 'newton' (step to the minimum of a quadratic fitted "
-        "over the arms; >= 3 arms; use with --hdet-signal line)",
+        help="controller update: 'auto' (default: newton with a line signal, else relative), "
+        "'relative' (softmax), 'paper' (the paper's absolute rule) or 'newton' (step to the "
+        "minimum of a quadratic fitted over the arms; >= 3 arms)",
     )
     g.add_argument(
         "--hdet-seed", type=integer(), default=_DEFAULT.seed, help="seed of the per-window permutations"
@@ -164,9 +173,10 @@ def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--hdet-signal",
-        choices=("train", "probe", "line", "average"),
+        choices=("auto", "train", "probe", "line", "average"),
         default=_DEFAULT.signal,
-        help="what the controller compares: 'train' (window training loss per arm, "
+        help="what the controller compares: 'auto' (default: 'average' when the loop has a "
+        "probe and >= 3 arms, else 'train'), 'train' (window training loss per arm, "
         "paper), 'probe' (each arm's loss on one shared unseen batch at the "
         "window's end: removes the arms' data noise; one forward per window) or "
         "'line' (every replica evaluates the window's update line at each arm's "
@@ -174,6 +184,50 @@ def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "bias; one forward per arm per window; >= 3 arms, one lr axis) or "
         "'average' (the same through the arms' window-averaged iterates)",
     )
+    g.add_argument(
+        "--hdet-start-scale",
+        type=number(),
+        default=None,
+        help="slow start: the LR scale the controller starts at (default: 0.25 with auto-LR "
+        "on a line signal, else 1)",
+    )
+    g.add_argument(
+        "--hdet-brake",
+        dest="hdet_brake",
+        action="store_true",
+        default=_DEFAULT.brake,
+        help="cut the LR scale at the first sign of instability (default)",
+    )
+    g.add_argument("--no-hdet-brake", dest="hdet_brake", action="store_false")
+    g.add_argument(
+        "--hdet-brake-factor", type=number(), default=_DEFAULT.brake_factor, help="brake cut factor"
+    )
+    g.add_argument(
+        "--hdet-brake-spike",
+        type=number(),
+        default=_DEFAULT.brake_spike,
+        help="an arm's loss this fraction above the arms' median brakes",
+    )
+    g.add_argument(
+        "--hdet-brake-rise",
+        type=number(),
+        default=_DEFAULT.brake_rise,
+        help="the high arms' loss rising this fraction over a window brakes",
+    )
+    g.add_argument(
+        "--hdet-brake-hold",
+        type=integer(),
+        default=_DEFAULT.brake_hold,
+        help="windows after a brake without a rise of the scale",
+    )
+    g.add_argument(
+        "--hdet-noise-aware",
+        dest="hdet_noise_aware",
+        action="store_true",
+        default=_DEFAULT.noise_aware,
+        help="shrink each line-signal step by its confidence (default)",
+    )
+    g.add_argument("--no-hdet-noise-aware", dest="hdet_noise_aware", action="store_false")
     return parser
 
 
@@ -193,6 +247,11 @@ HDET_FLAGS: dict[str, str] = {
     "bucket_mb": "--hdet-bucket-mb",
     "nonfinite": "--hdet-nonfinite",
     "signal": "--hdet-signal",
+    "start_scale": "--hdet-start-scale",
+    "brake_factor": "--hdet-brake-factor",
+    "brake_spike": "--hdet-brake-spike",
+    "brake_rise": "--hdet-brake-rise",
+    "brake_hold": "--hdet-brake-hold",
 }
 
 _FIELD = re.compile(r"^(?:HDETConfig\.(?P<field>\w+)=|Axis\b)")
@@ -232,11 +291,14 @@ def hdet_config_from_args(args: argparse.Namespace) -> HDETConfig | None:
                 parsed.append(parse_axis(text))
             axes = tuple(parsed)
             flags["axes"] = "--hdet-axis"
-        else:
+        elif args.hdet_spread is not None:
             flags["axes"] = "--hdet-spread"
-            spread = _DEFAULT.axes[0].spread if args.hdet_spread is None else args.hdet_spread
-            axes = (Axis("lr", spread),)
-        if args.hdet_spread_kind != "linear":
+            axes = (Axis("lr", args.hdet_spread),)
+        elif args.hdet_spread_kind != "linear":
+            axes = (Axis("lr", TRAIN_DEFAULTS["spread"]),)
+        else:
+            axes = None  # the measured default, chosen when the run starts
+        if axes is not None and args.hdet_spread_kind != "linear":
             axes = tuple(a if a.additive else replace(a, kind=args.hdet_spread_kind) for a in axes)
         return _config(args, axes)
     except HDETConfigError as exc:
@@ -263,4 +325,11 @@ def _config(args: argparse.Namespace, axes: tuple) -> HDETConfig:
         nonfinite=args.hdet_nonfinite,
         rollback=args.hdet_rollback,
         signal=args.hdet_signal,
+        start_scale=getattr(args, "hdet_start_scale", None),
+        brake=getattr(args, "hdet_brake", _DEFAULT.brake),
+        brake_factor=getattr(args, "hdet_brake_factor", _DEFAULT.brake_factor),
+        brake_spike=getattr(args, "hdet_brake_spike", _DEFAULT.brake_spike),
+        brake_rise=getattr(args, "hdet_brake_rise", _DEFAULT.brake_rise),
+        brake_hold=getattr(args, "hdet_brake_hold", _DEFAULT.brake_hold),
+        noise_aware=getattr(args, "hdet_noise_aware", _DEFAULT.noise_aware),
     )

@@ -50,6 +50,7 @@ _SIMULATE_FLAGS = {
     "rule": "--rule",
     "grad_sync": "--grad-sync",
     "seed": "--seed",
+    "start_scale": "--start-scale",
 }
 
 
@@ -128,6 +129,23 @@ def _add_simulate(subparsers) -> None:
     p.add_argument(
         "--rollback", action="store_true", help="roll back instead of stopping when all arms diverge"
     )
+    p.add_argument(
+        "--start-scale",
+        type=number(above=0),
+        default=None,
+        help="slow start: the scale the controller starts at (default: 0.25 with a line signal "
+        "and the newton rule, else 1)",
+    )
+    p.add_argument("--no-brake", dest="brake", action="store_false", help="switch the brake off")
+    p.add_argument(
+        "--no-noise-aware", dest="noise_aware", action="store_false", help="switch noise-aware steps off"
+    )
+    p.add_argument(
+        "--probe-noise",
+        type=number(0),
+        default=0.0,
+        help="--problem budget: std of each replica's loss at a line point (default 0: exact)",
+    )
 
 
 def _run_budget(args: argparse.Namespace, config: HDETConfig) -> int:
@@ -142,7 +160,7 @@ def _run_budget(args: argparse.Namespace, config: HDETConfig) -> int:
         )
         return 2
     try:
-        problem = BudgetNQM(dim=args.dim or 32)
+        problem = BudgetNQM(dim=args.dim or 32, probe_noise=args.probe_noise)
         result = simulate_budget(
             config,
             args.arms,
@@ -159,22 +177,40 @@ def _run_budget(args: argparse.Namespace, config: HDETConfig) -> int:
         f"# budget NQM dim={problem.dim}, {args.arms} arms x {args.replicas_per_arm} replicas, "
         f"{len(result.lrs)} steps (warm-up + cosine to 1/10), T={args.period}, "
         f"spread={args.spread:.4g}, signal={args.signal}, rule={args.rule}, "
-        f"meta_lr={args.meta_lr}, momentum={args.momentum}"
+        f"meta_lr={args.meta_lr}, momentum={args.momentum}, start scale "
+        f"{config.resolve(True, args.arms).config.start_scale:g}, "
+        f"brake {'on' if args.brake else 'off'}, noise-aware {'on' if args.noise_aware else 'off'}, "
+        f"probe noise {args.probe_noise:g}"
     )
     print(
         f"# start: peak LR {args.base_lr_factor:g}x the best (a perfect sweep's expected "
         f"final loss {result.best_loss:.4g})"
     )
-    print(f"{'window':>6} {'step':>8} {'scale':>9} {'lr/best':>8}")
+    print(f"{'window':>6} {'step':>8} {'scale':>9} {'lr/best':>8}  guards")
     last = len(result.scales) - 1
-    for k, scale in enumerate(result.scales):
-        if k % args.every == 0 or k == last:
-            print(f"{k:>6} {(k + 1) * args.period:>8} {scale:>9.4f} {args.base_lr_factor * scale:>8.3f}")
+    for k, (scale, update) in enumerate(zip(result.scales, result.updates, strict=True)):
+        if k % args.every == 0 or k == last or update.brake:
+            print(
+                f"{k:>6} {(k + 1) * args.period:>8} {scale:>9.4f} "
+                f"{args.base_lr_factor * scale:>8.3f}  {_guards(update)}"
+            )
     print(
         f"# expected final loss {result.expected_loss:.4g}: {100 * result.gap:+.1f}% vs the best "
         f"sweep point (this run's own final loss {result.final_loss:.4g})"
     )
     return 0
+
+
+def _guards(update) -> str:
+    """What slow start, the brake and the noise-aware step did in one window (one column)."""
+    parts = []
+    if update.brake:
+        parts.append(f"brake: {update.brake}")
+    elif update.hold:
+        parts.append(f"hold {update.hold}")
+    if "lr" in update.confidence:
+        parts.append(f"confidence {update.confidence['lr']:.2f}")
+    return "; ".join(parts)
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
@@ -200,6 +236,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
             seed=args.seed,
             rollback=args.rollback,
             signal=args.signal,
+            start_scale=args.start_scale,
+            brake=args.brake,
+            noise_aware=args.noise_aware,
         )
         if args.problem == "tracking":
             problem = NQMProblem(dim=args.dim or 16)
@@ -230,6 +269,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             dim=args.dim,
             seed=args.seed,
             problem=problem,
+            keep_updates=True,
         )
     except AllArmsNonFinite as exc:
         fail("hdet simulate", f"{exc} (lower --base-lr/--base-lr-factor, or pass --rollback)")
@@ -247,11 +287,14 @@ def _run_simulate(args: argparse.Namespace) -> int:
         f"(steady-state loss {steady_state_loss(problem, optimum, replicas):.4g}), "
         f"base lr={base:.4g} ({base / optimum:.3g}x optimum)"
     )
-    print(f"{'window':>6} {'step':>8} {'scale':>9} {'lr/opt':>8} {'loss':>10}")
+    print(f"{'window':>6} {'step':>8} {'scale':>9} {'lr/opt':>8} {'loss':>10}  guards")
     last = len(result.scales) - 1
-    for k, (step, scale, loss) in enumerate(zip(result.steps, result.scales, result.losses, strict=True)):
-        if k % args.every == 0 or k == last:
-            print(f"{k:>6} {step:>8} {scale:>9.4f} {base * scale / optimum:>8.3f} {loss:>10.4g}")
+    rows = zip(result.steps, result.scales, result.losses, result.updates, strict=True)
+    for k, (step, scale, loss, update) in enumerate(rows):
+        if k % args.every == 0 or k == last or update.brake:
+            print(
+                f"{k:>6} {step:>8} {scale:>9.4f} {base * scale / optimum:>8.3f} {loss:>10.4g}  {_guards(update)}"
+            )
     print(
         f"# final lr={result.final_lr:.4g} ({result.final_lr / optimum:.3f}x optimum), "
         f"final loss={result.final_loss:.4g}, rollbacks={result.rollbacks}"

@@ -8,11 +8,22 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Optional, Union
 
 #: Signals that evaluate the window's update line (every replica, its own unseen batch).
 LINE_SIGNALS = ("line", "average")
+
+#: The measured defaults (BENCHMARKS.md section 3) that ``"auto"``/``None`` fields resolve to:
+#: with a probe, the ``average`` signal and the ``newton`` rule, started low; without one, the
+#: paper's ``train`` signal with the ``relative`` rule at the user's LR (it cannot climb far, so
+#: it must not start low).
+PROBE_DEFAULTS = {"signal": "average", "rule": "newton", "spread": 0.3, "meta_lr": 1.0, "momentum": 0.5}
+TRAIN_DEFAULTS = {"signal": "train", "rule": "relative", "spread": 1.0 / 9.0, "meta_lr": 0.5, "momentum": 0.9}
+#: Where the LR scale starts with the probe defaults: a quarter of the user's LR. A too-high LR
+#: does lasting damage within the first windows, a too-low one only costs the windows it takes
+#: the controller to climb (BENCHMARKS.md 3c/3d).
+SLOW_START_SCALE = 0.25
 
 #: Axes whose spread is additive (the value can be 0); all others are multiplicative.
 ADDITIVE_AXES = frozenset({"dropout"})
@@ -97,10 +108,6 @@ class Axis:
             raise HDETConfigError(f"Axis({self.name!r}) bounds are inverted: min={self.min} > max={self.max}")
 
 
-def _default_axes() -> tuple[Axis, ...]:
-    return (Axis("lr", 1.0 / 9.0),)
-
-
 #: Fields that change how, not what, HDET computes: left out of ``fingerprint()`` (checkpoints,
 #: run logs), so checkpoints stay what they were and a resume never reports them as changed.
 _NOT_FINGERPRINTED = ("home_main_params",)
@@ -117,8 +124,9 @@ class HDETConfig:
     grad_sync: str = "global"
     """``global``: gradients are all-reduced across all DP ranks every step (the paper);
     ``arm``: only inside an arm during fan-out (local-SGD style, less DP traffic)."""
-    axes: tuple[Axis, ...] = field(default_factory=_default_axes)
-    """Explored hyperparameters, each with its own spread and per-window permutation."""
+    axes: tuple[Axis, ...] | None = None
+    """Explored hyperparameters, each with its own spread and per-window permutation. None: one
+    ``lr`` axis with the measured spread (0.3 with a line signal, the paper's 1/9 otherwise)."""
     auto: bool = True
     """Run the auto controller (moves each axis' shared base toward the better arms)."""
     auto_start: int = 0
@@ -126,15 +134,16 @@ class HDETConfig:
     temperature: float | str = 0.1
     """Softmax temperature sigma over the arms' loss advantages, or ``"auto"`` (std of the
     arms' window losses)."""
-    meta_lr: float = 0.5
-    """Meta learning rate lambda of the controller update."""
-    momentum: float = 0.9
-    """Momentum beta of the controller's velocity."""
+    meta_lr: float | None = None
+    """Meta learning rate lambda of the controller update. None: 1.0 with ``rule="newton"`` (the
+    step follows the fitted curve), else 0.5."""
+    momentum: float | None = None
+    """Momentum beta of the controller's velocity. None: 0.5 with ``rule="newton"``, else 0.9."""
     scale_bounds: tuple[float, float] = (0.01, 100.0)
     """Clamp ``[c_min, c_max]`` of every multiplicative axis' learned scale."""
-    rule: str = "relative"
-    """``relative`` (our dimensionless update ``c <- c (1 + lambda v)``), ``paper`` (the
-    paper's absolute update, with the decay taken from the base schedule) or ``newton`` (fit a
+    rule: str = "auto"
+    """``auto`` (``newton`` with a line signal, else ``relative``), ``relative`` (our
+    dimensionless update ``c <- c (1 + lambda v)``), ``paper`` (the paper's absolute update, with the decay taken from the base schedule) or ``newton`` (fit a
     quadratic to the arms' losses over their values and step towards its minimum:
     ``v <- beta v + (1-beta) log(rho*/rho_mean)``, ``c <- c exp(lambda v)``, with ``rho*`` at most
     a factor 2 from the arms' centre per window; needs >= 3 arms)."""
@@ -157,8 +166,11 @@ class HDETConfig:
     rollback: bool = False
     """When every arm is non-finite: restore the last converged state and cut the scale,
     instead of raising."""
-    signal: str = "train"
-    """What the controller compares across arms: ``train`` (each arm's mean training loss over
+    signal: str = "auto"
+    """What the controller compares across arms. ``auto`` (the default): ``average`` when the
+    training loop supplies a probe (``probe_fn``), the run has >= 3 arms, ``grad_sync="global"``
+    and only an unbounded ``lr`` axis is explored, else ``train`` (the run logs which and why).
+    ``train`` (each arm's mean training loss over
     the window, as in the paper) or ``probe`` (each arm's loss on one batch that is the same for
     every arm and that no arm has trained on, measured at the window's end before averaging; it
     removes the arms' different data from the comparison, at one forward pass per window; the
@@ -171,6 +183,30 @@ class HDETConfig:
     points, uncorrected: a weight average stands in for the annealed model, so the noise floor
     that a later LR decay removes is left out of the comparison, while lasting damage is not;
     same requirements, plus one running sum of the main params updated every step)."""
+    start_scale: float | None = None
+    """Slow start: the LR scale the controller starts at, a fraction of the user's LR that it
+    climbs from on evidence (multiplicative ``lr`` and ``lr:<group>`` axes). None: 0.25 when auto
+    is on with a line signal (a too-high LR does lasting damage early, a too-low one only costs
+    time), else 1 (the ``train`` signal cannot climb back far enough)."""
+    brake: bool = True
+    """Cut the LR scale by ``brake_factor`` at the first sign of instability (an arm's non-finite
+    or spiking training loss, the high arms' loss rising, the mean loss blowing up) and hold it
+    for ``brake_hold`` windows."""
+    brake_factor: float = 0.5
+    """Factor of a brake's cut of every multiplicative LR scale (in (0, 1))."""
+    brake_spike: float = 0.2
+    """Spike threshold: an arm's window training loss above the arms' median by this fraction
+    of the median (and above the noise) brakes, when it is the arm with the highest LR or not
+    finite."""
+    brake_rise: float = 0.1
+    """Rise threshold: the upper half of the arms (by LR) ending a window with a mean training
+    loss this fraction above the previous window's mean brakes."""
+    brake_hold: int = 2
+    """Windows after a brake in which the LR scale may not rise."""
+    noise_aware: bool = True
+    """With a line signal: shrink each step by its confidence ``d^2 / (d^2 + se^2)``, where
+    ``se`` is the jackknife standard error of the step over the replicas' own line losses, so a
+    weak signal (small batch) leaves the scale where it is instead of overshooting."""
 
     def __post_init__(self) -> None:
         # Accept lists for axes/scale_bounds (from argparse or JSON) but store tuples.
@@ -192,10 +228,12 @@ class HDETConfig:
             raise bad("arms", self.arms, "must be an integer >= 1 or None (one arm per DP replica)")
         if self.grad_sync not in ("global", "arm"):
             raise bad("grad_sync", self.grad_sync, "must be 'global' or 'arm'")
-        if not isinstance(self.axes, tuple) or not all(isinstance(a, Axis) for a in self.axes):
-            raise bad("axes", self.axes, "must be a sequence of Axis(name, spread, ...)")
+        if self.axes is not None and (
+            not isinstance(self.axes, tuple) or not all(isinstance(a, Axis) for a in self.axes)
+        ):
+            raise bad("axes", self.axes, "must be a sequence of Axis(name, spread, ...) or None")
         seen: set[str] = set()
-        for axis in self.axes:
+        for axis in self.axes or ():
             axis.validate()
             if axis.name in seen:
                 raise bad("axes", axis.name, "the same axis is given twice; give each axis once")
@@ -219,10 +257,12 @@ class HDETConfig:
             or self.temperature <= 0
         ):
             raise bad("temperature", self.temperature, "sigma must be > 0 (or 'auto')")
-        if not isinstance(self.meta_lr, (int, float)) or not math.isfinite(self.meta_lr) or self.meta_lr < 0:
-            raise bad("meta_lr", self.meta_lr, "must be a finite number >= 0")
-        if not isinstance(self.momentum, (int, float)) or not 0 <= self.momentum < 1:
-            raise bad("momentum", self.momentum, "must be in [0, 1)")
+        if self.meta_lr is not None and (
+            not _number(self.meta_lr) or not math.isfinite(self.meta_lr) or self.meta_lr < 0
+        ):
+            raise bad("meta_lr", self.meta_lr, "must be a finite number >= 0 (or None: the measured default)")
+        if self.momentum is not None and (not _number(self.momentum) or not 0 <= self.momentum < 1):
+            raise bad("momentum", self.momentum, "must be in [0, 1) (or None: the measured default)")
         lo_hi = self.scale_bounds
         if (
             not isinstance(lo_hi, tuple)
@@ -236,8 +276,8 @@ class HDETConfig:
                 lo_hi,
                 "need 0 < c_min <= 1 <= c_max (the scale starts at 1); bounds inverted?",
             )
-        if self.rule not in ("relative", "paper", "newton"):
-            raise bad("rule", self.rule, "must be 'relative', 'paper' or 'newton'")
+        if self.rule not in ("auto", "relative", "paper", "newton"):
+            raise bad("rule", self.rule, "must be 'auto', 'relative', 'paper' or 'newton'")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise bad("seed", self.seed, "must be an integer >= 0")
         if not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
@@ -250,23 +290,100 @@ class HDETConfig:
             raise bad("nonfinite", self.nonfinite, "must be 'exclude' or 'raise'")
         if not isinstance(self.rollback, bool):
             raise bad("rollback", self.rollback, "must be True or False")
-        if self.signal not in ("train", "probe") + LINE_SIGNALS:
-            raise bad("signal", self.signal, "must be 'train', 'probe', 'line' or 'average'")
+        if self.signal not in ("auto", "train", "probe") + LINE_SIGNALS:
+            raise bad("signal", self.signal, "must be 'auto', 'train', 'probe', 'line' or 'average'")
         if self.signal in LINE_SIGNALS:
-            # The arms lie on one line only when they share gradients and differ by step size.
-            if self.grad_sync != "global":
-                raise bad("signal", self.signal, "needs grad_sync='global' (arms on one update line)")
-            if [a.name for a in self.axes] != ["lr"] or not self.axes[0].spread > 0:
-                raise bad(
-                    "signal",
-                    self.signal,
-                    "needs exactly one axis, 'lr', with a spread > 0 (other axes move the arms "
-                    f"off the update line); axes are {[(a.name, a.spread) for a in self.axes]}",
-                )
+            why = _line_unsupported(self)
+            if why:
+                raise bad("signal", self.signal, why)
+        if self.start_scale is not None and (
+            not _number(self.start_scale)
+            or not math.isfinite(self.start_scale)
+            or not lo_hi[0] <= self.start_scale <= lo_hi[1]
+        ):
+            raise bad(
+                "start_scale",
+                self.start_scale,
+                f"must be a number within scale_bounds {list(lo_hi)} (or None: the measured default)",
+            )
+        if not isinstance(self.brake, bool):
+            raise bad("brake", self.brake, "must be True or False")
+        if not _number(self.brake_factor) or not 0 < self.brake_factor < 1:
+            raise bad("brake_factor", self.brake_factor, "must be in (0, 1) (the scale is multiplied by it)")
+        for name in ("brake_spike", "brake_rise"):
+            value = getattr(self, name)
+            if not _number(value) or not math.isfinite(value) or value <= 0:
+                raise bad(name, value, "must be a number > 0 (a fraction of the loss)")
+        if isinstance(self.brake_hold, bool) or not isinstance(self.brake_hold, int) or self.brake_hold < 0:
+            raise bad("brake_hold", self.brake_hold, "must be an integer >= 0 (windows)")
+        if not isinstance(self.noise_aware, bool):
+            raise bad("noise_aware", self.noise_aware, "must be True or False")
 
     def axis(self, name: str) -> Axis | None:
         """The axis called ``name``, or None."""
-        return next((a for a in self.axes if a.name == name), None)
+        return next((a for a in self.axes or () if a.name == name), None)
+
+    @property
+    def resolved(self) -> bool:
+        """No ``"auto"``/None field is left for :meth:`resolve` to fill."""
+        return (
+            self.signal != "auto"
+            and self.rule != "auto"
+            and self.axes is not None
+            and self.meta_lr is not None
+            and self.momentum is not None
+            and self.start_scale is not None
+        )
+
+    def resolve(self, probe_available: bool, num_arms: int) -> Resolution:
+        """Fill every ``"auto"``/None field with the measured default for this run.
+
+        ``probe_available``: the training loop supplies a probe (``probe_fn``); ``num_arms``: the
+        run's arm count. A resolved config returns itself. The note says what was chosen and why
+        (one line for the run's log; empty when the user chose everything).
+        """
+        if self.resolved:
+            return Resolution(self, "")
+        signal, why = self.signal, ""
+        if signal == "auto":
+            blocker = _line_unsupported(self) or (
+                "needs >= 3 arms (a quadratic over the arms)" if num_arms < 3 else ""
+            )
+            if not probe_available:
+                blocker = "no probe_fn was given (a batch no arm trained on, at each window's end)"
+            signal = "average" if not blocker else "train"
+            why = f"signal {signal!r}" + (f": 'average' {blocker}" if blocker else " (a probe is available)")
+        line = signal in LINE_SIGNALS
+        defaults = PROBE_DEFAULTS if line else TRAIN_DEFAULTS
+        rule = self.rule
+        if rule == "auto":
+            rule = "newton" if line and num_arms >= 3 else "relative"
+        newton = rule == "newton"
+        axes = self.axes if self.axes is not None else (Axis("lr", defaults["spread"]),)
+        start = self.start_scale
+        if start is None:
+            start = SLOW_START_SCALE if self.auto and line and newton and num_arms >= 3 else 1.0
+        config = replace(
+            self,
+            signal=signal,
+            rule=rule,
+            axes=axes,
+            meta_lr=self.meta_lr if self.meta_lr is not None else (1.0 if newton else 0.5),
+            momentum=self.momentum if self.momentum is not None else (0.5 if newton else 0.9),
+            start_scale=start,
+        )
+        chosen = [why] if why else []
+        if self.rule == "auto":
+            chosen.append(f"rule {rule!r}")
+        if self.axes is None:
+            chosen.append(f"LR spread {axes[0].spread:.3g}")
+        if self.start_scale is None and self.auto:
+            chosen.append(
+                f"slow start at {start:g}x the given LR"
+                if start != 1
+                else "start at the given LR (no slow start without a line signal)"
+            )
+        return Resolution(config, "HDET auto-LR defaults: " + "; ".join(chosen) if chosen else "")
 
     def replace(self, **changes) -> HDETConfig:
         return replace(self, **changes)
@@ -278,7 +395,7 @@ class HDETConfig:
             if f.name in _NOT_FINGERPRINTED:
                 continue
             value = getattr(self, f.name)
-            if f.name == "axes":
+            if f.name == "axes" and value is not None:
                 value = [
                     {"name": a.name, "spread": a.spread, "kind": a.kind, "min": a.min, "max": a.max}
                     for a in value
@@ -291,10 +408,52 @@ class HDETConfig:
     @classmethod
     def from_fingerprint(cls, data: dict) -> HDETConfig:
         data = dict(data)
-        data["axes"] = tuple(Axis(**a) for a in data.get("axes", []))
+        # Checkpoints written before slow start, the brake and noise-aware steps existed ran
+        # without them: a resume keeps that behaviour.
+        data.setdefault("start_scale", 1.0)
+        data.setdefault("brake", False)
+        data.setdefault("noise_aware", False)
+        if data.get("axes") is not None:
+            data["axes"] = tuple(Axis(**a) for a in data["axes"])
         if "scale_bounds" in data:
             data["scale_bounds"] = tuple(data["scale_bounds"])
         return cls(**data)
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What :meth:`HDETConfig.resolve` chose."""
+
+    config: HDETConfig
+    """The config with every ``"auto"``/None field filled in."""
+    note: str
+    """One line naming the defaults chosen and why (empty when nothing was left to choose)."""
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _line_unsupported(config: HDETConfig) -> str:
+    """Why the line signals cannot run with ``config`` (empty when they can)."""
+    # The arms lie on one line only when they share gradients and differ by step size.
+    if config.grad_sync != "global":
+        return "needs grad_sync='global' (arms on one update line)"
+    if config.axes is None:
+        return ""
+    if [a.name for a in config.axes] != ["lr"] or not config.axes[0].spread > 0:
+        return (
+            "needs exactly one axis, 'lr', with a spread > 0 (other axes move the arms off the "
+            f"update line); axes are {[(a.name, a.spread) for a in config.axes]}"
+        )
+    if config.axes[0].min is not None or config.axes[0].max is not None:
+        # Clipped arms leave the line, and the points rebuilt from the multipliers would not be
+        # where the arms trained (issue 29 bug 5).
+        return (
+            "needs an unbounded 'lr' axis: min/max clip some arms' LRs off the update line; "
+            "drop the bounds (scale_bounds limit the learned scale)"
+        )
+    return ""
 
 
 def parse_axis(text: str) -> Axis:

@@ -31,6 +31,19 @@ independent, each with its own velocity and scale),
 
 A neutral controller (all arm losses equal, or all weights equal) yields ``Delta == 0``
 exactly, so the scale never drifts on its own (regression for defect 3).
+
+Three guards make auto-LR safe to leave on (docs/auto-lr.md):
+
+* **Slow start**: the LR scales start at ``config.start_scale`` (a quarter of the user's LR with
+  the line signals) and climb only as the evidence says.
+* **Brake**: a non-finite arm, the arms' mean training loss blowing up (x :data:`BLOW_UP`), the
+  highest-LR arm's loss spiking above the other arms' trend over the multipliers by
+  ``brake_spike`` of the median, or the upper half of the arms (by LR) rising ``brake_rise`` more
+  than the lower half since the last window, each beyond :data:`BRAKE_Z` times the noise, cut
+  every multiplicative LR scale by ``brake_factor``, zero its velocity and forbid a rise for
+  ``brake_hold`` windows.
+* **Noise-aware steps** (line signals, ``noise_aware``): the step's jackknife standard error ``se``
+  over the replicas' own line losses shrinks it by ``d^2 / (d^2 + se^2)``.
 """
 
 from __future__ import annotations
@@ -38,11 +51,11 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from hdet_megatron.config import LINE_SIGNALS, HDETConfig
-from hdet_megatron.line_signal import fit_quadratic
+from hdet_megatron.line_signal import LineFit, fit_quadratic, jackknife_fits
 
 __all__ = [
     "AllArmsNonFinite",
@@ -52,12 +65,28 @@ __all__ = [
     "softmax_weights",
 ]
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+_LOADABLE_VERSIONS = (1, 2)
 
 #: ``rule="newton"``: the most a multiplicative axis' target may differ from the arms' centre in
 #: one window (a factor; 2 = one octave), since a quadratic fitted on the arms' range says little
 #: about values far outside it.
 NEWTON_MAX_STEP = 2.0
+
+#: The brake needs a spike or rise this many times the window's noise (the spread of the other
+#: arms' training losses) besides its relative threshold: noise alone must not cut the LR.
+BRAKE_Z = 6.0
+
+#: The brake fires, whatever the noise, when the arms' mean training loss ends a window more than
+#: this factor above the previous window's.
+BLOW_UP = 4.0
+
+#: The spike and the rise must also reach HISTORY_Z times their own RMS over the run's past
+#: windows (once HISTORY_MIN windows are seen; EWMA weight HISTORY_EWMA): a model whose high-LR
+#: arms always fluctuate that much is not becoming unstable.
+HISTORY_Z = 4.0
+HISTORY_MIN = 3
+HISTORY_EWMA = 0.2
 
 
 class AllArmsNonFinite(RuntimeError):
@@ -91,6 +120,16 @@ class ControllerUpdate:
     """Per-axis scale (multiplicative) or shift (additive) after the update."""
     step: int = -1
     """Optimizer step the update was made at."""
+    raw_deltas: dict[str, float] = field(default_factory=dict)
+    """Per-axis Delta before the noise-aware shrink (equal to :attr:`deltas` without it)."""
+    confidence: dict[str, float] = field(default_factory=dict)
+    """Per axis with a noise-aware step: ``d^2 / (d^2 + se^2)`` (1 = a clear signal)."""
+    step_se: dict[str, float] = field(default_factory=dict)
+    """Per axis with a noise-aware step: the jackknife standard error of Delta."""
+    brake: str | None = None
+    """Why the brake fired in this update (None: it did not)."""
+    hold: int = 0
+    """Windows left after this update in which the LR scales may not rise."""
 
     def to_dict(self) -> dict:
         """JSON-ready view (NaN/inf losses become strings ``"nan"``/``"inf"``/``"-inf"``)."""
@@ -160,6 +199,38 @@ def _newton_delta(values: Sequence[float], losses: Sequence[float], center: floa
     return math.log(factor)
 
 
+def _newton_delta_of(values: Sequence[float], losses: Sequence[float], additive: bool) -> float:
+    """:func:`_newton_delta` over the arms whose loss is finite, centred on all arms' values."""
+    keep = [r for r in range(len(values)) if math.isfinite(losses[r])]
+    return _newton_delta(
+        [values[r] for r in keep],
+        [losses[r] for r in keep],
+        center=math.fsum(values) / len(values),
+        additive=additive,
+    )
+
+
+def _is_lr(axis) -> bool:
+    """A learning-rate axis (``lr`` or ``lr:<group>``): slow start and the brake act on these."""
+    return axis.name == "lr" or axis.group is not None
+
+
+def _extrapolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """The least-squares line through ``(xs, ys)`` at ``x`` (their mean with < 2 distinct xs)."""
+    mean_x, mean_y = math.fsum(xs) / len(xs), math.fsum(ys) / len(ys)
+    sxx = math.fsum((v - mean_x) ** 2 for v in xs)
+    if not sxx > 0:
+        return mean_y
+    slope = math.fsum((u - mean_x) * (v - mean_y) for u, v in zip(xs, ys, strict=True)) / sxx
+    return mean_y + slope * (x - mean_x)
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
+
+
 def _pstdev(values: Sequence[float]) -> float:
     """Population std of finite values, robust to huge values (rescales on overflow and
     saturates at the largest float instead of returning inf)."""
@@ -183,9 +254,13 @@ class AutoController:
     """Learns one scale (multiplicative axes, starts at 1) or shift (additive axes, starts at 0)
     per axis of ``config`` from the arms' window losses; see the module docstring."""
 
-    def __init__(self, config: HDETConfig, num_arms: int) -> None:
+    def __init__(self, config: HDETConfig, num_arms: int, *, probe_available: bool = False) -> None:
         if isinstance(num_arms, bool) or not isinstance(num_arms, int) or num_arms < 1:
             raise ValueError(f"num_arms={num_arms!r} must be an integer >= 1")
+        resolution = config.resolve(probe_available, num_arms)
+        config = resolution.config
+        self.resolution_note = resolution.note
+        """What the ``"auto"``/None fields resolved to and why (empty if nothing was left)."""
         if config.rule == "newton" and num_arms < 3 and (config.auto or config.signal in LINE_SIGNALS):
             raise ValueError(
                 f"HDETConfig.rule='newton' fits a quadratic over the arms and needs >= 3 arms, "
@@ -193,21 +268,35 @@ class AutoController:
             )
         if config.signal in LINE_SIGNALS and num_arms < 3:
             raise ValueError(
-                f"HDETConfig.signal={config.signal!r} fits the update line at the arms' multipliers and needs "
-                f">= 3 arms, this run has {num_arms}; use signal='probe' or 'train'"
+                f"HDETConfig.signal={config.signal!r} fits the update line at the arms' multipliers "
+                f"and needs >= 3 arms, this run has {num_arms}; use signal='probe' or 'train'"
             )
         self.config = config
         self.num_arms = num_arms
         self._axes = {axis.name: axis for axis in config.axes}
-        self._scale: dict[str, float] = {
-            name: (0.0 if axis.additive else 1.0) for name, axis in self._axes.items()
-        }
+        self._scale: dict[str, float] = {name: self._initial(axis) for name, axis in self._axes.items()}
         self._velocity: dict[str, float] = {name: 0.0 for name in self._axes}
         self.num_updates = 0
         """Number of updates that moved the scales."""
         self.window = 0
         """Index of the current (next to end) window = number of ``update`` calls so far; the
         arms of the current window use ``spread.arm_spread(config, n, controller.window)``."""
+        self.hold = 0
+        """Windows left in which the LR scales may not rise (after a brake)."""
+        self.last_mean_loss: float | None = None
+        """The previous window's mean training loss over the finite arms (the brake's rise test)."""
+        self.noise: float | None = None
+        """EWMA over windows of the spread of the arms' training losses (the brake's noise level)."""
+        self.history: dict[str, tuple[int, float]] = {}
+        """Per brake statistic (``spike``, ``lift``): windows seen and the EWMA of its square."""
+        self.last_halves: tuple[float, float] | None = None
+        """The previous window's mean training loss of the lower and the upper half of the arms
+        by LR multiplier (the brake's rise test)."""
+
+    def _initial(self, axis) -> float:
+        if axis.additive:
+            return 0.0
+        return self._clamp(self.config.start_scale) if _is_lr(axis) else 1.0
 
     # -- accessors ---------------------------------------------------------------------------
     @property
@@ -247,8 +336,15 @@ class AutoController:
         arm_spreads: Mapping[str, Sequence[float]],
         step: int,
         base_values: Mapping[str, float] | None = None,
+        *,
+        line: LineFit | None = None,
+        train_losses: Sequence[float] | None = None,
     ) -> ControllerUpdate:
         """One converge: weigh the arms by their window losses and move every axis.
+
+        ``line``: the window's line fit (line signals), whose replica rows give the noise-aware
+        step its standard error. ``train_losses``: each arm's mean training loss over the window
+        (the brake's evidence; ``arm_losses`` with ``signal="train"`` when not given).
 
         ``arm_losses[r]``: arm r's mean training loss over the window. ``arm_spreads[axis][r]``:
         the multiplier (or additive offset) arm r used on that axis in the window.
@@ -276,8 +372,21 @@ class AutoController:
         move = cfg.auto and step >= cfg.auto_start
         bases = self._check_bases(base_values, need=move and cfg.rule == "paper")
         uniform = not excluded and all(w == weights[0] for w in weights)
+        if train_losses is None:
+            train_losses = losses if cfg.signal == "train" else [math.nan] * self.num_arms
+        train = self._check_losses(train_losses)
+        stats: dict[str, float] = {}  # the brake's statistics of this window (its history)
+        brake = self._brake_reason(losses, train, spreads, stats) if move and cfg.brake else None
+        jackknife = (
+            jackknife_fits(line, spreads["lr"])
+            if cfg.noise_aware and line is not None and cfg.rule == "newton" and "lr" in self._axes
+            else []
+        )
 
         deltas: dict[str, float] = {}
+        raw_deltas: dict[str, float] = {}
+        confidence: dict[str, float] = {}
+        step_se: dict[str, float] = {}
         new_scale = dict(self._scale)
         new_velocity = dict(self._velocity)
         for name, axis in self._axes.items():
@@ -292,21 +401,32 @@ class AutoController:
                 # Equal weights carry no information: exactly 0 (no drift from rounding).
                 delta = 0.0
             elif cfg.rule == "newton":
-                delta = _newton_delta(
-                    [values[r] for r in range(len(values)) if math.isfinite(losses[r])],
-                    [losses[r] for r in range(len(values)) if math.isfinite(losses[r])],
-                    center=math.fsum(values) / len(values),
-                    additive=axis.additive,
-                )
+                delta = _newton_delta_of(values, losses, axis.additive)
             else:
                 center = math.fsum(values) / len(values)
                 # sum_r w_r (x_r - mean): for the linear spread x_r - 1 is exact, so a neutral
                 # controller gives exactly 0.
                 delta = math.fsum(w * (x - center) for w, x in zip(weights, values))
+            raw_deltas[name] = delta
+            if name == "lr" and jackknife and not uniform:
+                # Leave-one-replica-out steps; se^2 = (n-1)/n sum (d_i - mean)^2 (jackknife).
+                ds = [_newton_delta_of(values, fit.pseudo_losses, False) for fit in jackknife]
+                mean = math.fsum(ds) / len(ds)
+                se = math.sqrt((len(ds) - 1) / len(ds) * math.fsum((d - mean) ** 2 for d in ds))
+                conf = delta * delta / (delta * delta + se * se) if delta != 0.0 else 0.0
+                step_se[name], confidence[name] = se, conf
+                delta *= conf
             deltas[name] = delta
             if not move:
                 continue
+            if brake is not None and _is_lr(axis):
+                # Cut now; the momentum that led here goes with it.
+                new_velocity[name] = 0.0
+                new_scale[name] = self._clamp(c * cfg.brake_factor)
+                continue
             v = cfg.momentum * self._velocity[name] + (1.0 - cfg.momentum) * delta
+            if self.hold and _is_lr(axis) and v > 0:
+                v = 0.0  # held after a brake: no rise yet
             new_velocity[name] = v
             if axis.additive:
                 new_scale[name] = self._bound_shift(axis, c + cfg.meta_lr * v, base)
@@ -332,6 +452,10 @@ class AutoController:
             velocities=dict(new_velocity),
             scales=dict(new_scale),
             step=step,
+            raw_deltas=raw_deltas,
+            confidence=confidence,
+            step_se=step_se,
+            brake=brake,
         )
         # Commit only after everything above succeeded.
         self._scale = new_scale
@@ -339,7 +463,104 @@ class AutoController:
         self.window += 1
         if move:
             self.num_updates += 1
+            self.hold = cfg.brake_hold if brake is not None else max(self.hold - 1, 0)
+        self._track_losses(train, spreads, stats)
+        update.hold = self.hold
         return update
+
+    def _history_bar(self, name: str) -> float:
+        """HISTORY_Z times the RMS of the brake statistic ``name`` over past windows (0 before
+        HISTORY_MIN windows): what this run's own window-to-window variation reaches."""
+        count, mean_square = self.history.get(name, (0, 0.0))
+        return HISTORY_Z * math.sqrt(mean_square) if count >= HISTORY_MIN else 0.0
+
+    def _track_losses(
+        self, train: Sequence[float], spreads: Mapping[str, Sequence[float]], stats: Mapping[str, float]
+    ) -> None:
+        """Remember this window's mean training loss and fold its spread into the noise level
+        (an EWMA over windows) for the brake's tests of the next window."""
+        for name, value in stats.items():
+            count, mean_square = self.history.get(name, (0, 0.0))
+            weight = max(1.0 / (count + 1), HISTORY_EWMA)
+            self.history[name] = (count + 1, (1.0 - weight) * mean_square + weight * value * value)
+        finite = [r for r in range(self.num_arms) if math.isfinite(train[r])]
+        if not finite:
+            return
+        self.last_mean_loss = math.fsum(train[r] for r in finite) / len(finite)
+        lr_axes = [name for name, axis in self._axes.items() if _is_lr(axis)]
+        if lr_axes and len(finite) >= 2:
+            rho = spreads[lr_axes[0]]
+            order = sorted(finite, key=lambda r: rho[r])
+            half = len(order) // 2
+            self.last_halves = (
+                math.fsum(train[r] for r in order[:half]) / half,
+                math.fsum(train[r] for r in order[half:]) / (len(order) - half),
+            )
+            if len(order) >= 3:
+                spread = _pstdev([train[r] for r in order[:-1]])
+                self.noise = spread if self.noise is None else 0.5 * self.noise + 0.5 * spread
+
+    def _brake_reason(
+        self,
+        losses: Sequence[float],
+        train: Sequence[float],
+        spreads: Mapping[str, Sequence[float]],
+        stats: dict[str, float],
+    ) -> str | None:
+        """Why this window shows instability of the LR (None: it does not); see the module doc.
+        Writes the window's spike and rise statistics into ``stats``."""
+        cfg = self.config
+        lr_axes = [name for name, axis in self._axes.items() if _is_lr(axis)]
+        if not lr_axes:
+            return None
+        # The runtimes report an arm with non-finite params as an infinite loss.
+        bad = [r for r in range(self.num_arms) if not math.isfinite(losses[r]) or math.isinf(train[r])]
+        if bad:
+            return f"arm(s) {bad} non-finite"
+        # The arms ordered by their LR multiplier on the first LR axis.
+        rho = spreads[lr_axes[0]]
+        order = [r for r in sorted(range(self.num_arms), key=lambda r: rho[r]) if math.isfinite(train[r])]
+        if len(order) < 2:
+            return None
+        top, others = order[-1], order[:-1]
+        median = _median([train[r] for r in order])
+        # The noise: the spread of the arms' losses (besides the top arm's; it also holds their LR
+        # differences, so it errs on the side of not braking) in the windows before this one, as
+        # an instability inflates this window's own spread; a cut must beat BRAKE_Z of it.
+        noise = self.noise
+        if noise is None:
+            noise = _pstdev([train[r] for r in others]) if len(others) >= 2 else 0.0
+        prev = self.last_mean_loss
+        mean = math.fsum(train[r] for r in order) / len(order)
+        if prev is not None and prev > 0 and mean > BLOW_UP * prev and mean - prev > BRAKE_Z * noise:
+            return f"the arms' mean loss blew up from {prev:.4g} to {mean:.4g}"
+        # A spike is the top arm off the trend of the others (a loss that simply grows with the LR,
+        # as a noise floor does, is no spike): the others' line over the multipliers, extrapolated.
+        expected = _extrapolate([rho[r] for r in others], [train[r] for r in others], rho[top])
+        resid = train[top] - expected
+        stats["spike"] = resid
+        if resid > max(cfg.brake_spike * abs(median), BRAKE_Z * noise, self._history_bar("spike")):
+            return (
+                f"the highest-LR arm {top}'s loss {train[top]:.4g} is {resid:+.3g} off "
+                f"the other arms' trend ({expected:.4g})"
+            )
+        # A rise: the upper half of the multipliers' loss rose against the lower half's since the
+        # last window (a scale change moves both alike).
+        half = len(order) // 2
+        low = math.fsum(train[r] for r in order[:half]) / half
+        high = math.fsum(train[r] for r in order[half:]) / (len(order) - half)
+        last = self.last_halves
+        if last is not None and last[0] > 0 and last[1] > 0 and low > 0:
+            lift = high / last[1] - low / last[0]
+            excess = high - last[1] * low / last[0]
+            stats["lift"] = lift
+            bar = BRAKE_Z * noise * math.sqrt(4.0 / len(order))
+            if lift > max(cfg.brake_rise, self._history_bar("lift")) and excess > bar:
+                return (
+                    f"the high-LR arms' loss rose {high / last[1] - 1:+.1%} over the window against "
+                    f"{low / last[0] - 1:+.1%} for the low-LR arms"
+                )
+        return None
 
     def cut_scale(self, factor: float = 0.5) -> None:
         """After a rollback: multiply every multiplicative scale by ``factor`` (clamped to
@@ -416,6 +637,11 @@ class AutoController:
             "num_arms": self.num_arms,
             "window": self.window,
             "num_updates": self.num_updates,
+            "hold": self.hold,
+            "last_mean_loss": self.last_mean_loss,
+            "noise": self.noise,
+            "last_halves": None if self.last_halves is None else list(self.last_halves),
+            "history": {name: [count, ms] for name, (count, ms) in self.history.items()},
             "axes": {
                 name: {"scale": self._scale[name], "velocity": self._velocity[name]} for name in self._axes
             },
@@ -434,10 +660,42 @@ class AutoController:
         for key in ("version", "num_arms", "window", "num_updates", "axes"):
             if key not in state:
                 raise ValueError(f"controller state is missing key {key!r}")
-        if state["version"] != STATE_VERSION:
+        if state["version"] not in _LOADABLE_VERSIONS:
             raise ValueError(
-                f"controller state version {state['version']!r} is not supported (expected {STATE_VERSION})"
+                f"controller state version {state['version']!r} is not supported (expected one of "
+                f"{list(_LOADABLE_VERSIONS)})"
             )
+        hold = state.get("hold", 0)  # version 1 had no brake
+        if isinstance(hold, bool) or not isinstance(hold, int) or hold < 0:
+            raise ValueError(f"controller state['hold']={hold!r} must be an integer >= 0")
+        last, noise = state.get("last_mean_loss"), state.get("noise")
+        for key, value in (("last_mean_loss", last), ("noise", noise)):
+            if value is not None and (not _is_number(value) or not math.isfinite(value)):
+                raise ValueError(f"controller state[{key!r}]={value!r} must be a finite number or None")
+        halves = state.get("last_halves")
+        if halves is not None:
+            if (
+                not isinstance(halves, (list, tuple))
+                or len(halves) != 2
+                or not all(_is_number(v) and math.isfinite(v) for v in halves)
+            ):
+                raise ValueError(
+                    f"controller state['last_halves']={halves!r} must be two finite numbers or None"
+                )
+            halves = (float(halves[0]), float(halves[1]))
+        history: dict[str, tuple[int, float]] = {}
+        for name, entry in (state.get("history") or {}).items():
+            if (
+                name not in ("spike", "lift")
+                or not isinstance(entry, (list, tuple))
+                or len(entry) != 2
+                or isinstance(entry[0], bool)
+                or not isinstance(entry[0], int)
+                or not _is_number(entry[1])
+                or not math.isfinite(entry[1])
+            ):
+                raise ValueError(f"controller state['history'][{name!r}]={entry!r} is malformed")
+            history[name] = (int(entry[0]), float(entry[1]))
         for key in ("num_arms", "window", "num_updates"):
             value = state[key]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -475,3 +733,8 @@ class AutoController:
         self._velocity = velocities
         self.window = int(state["window"])
         self.num_updates = int(state["num_updates"])
+        self.hold = hold
+        self.last_mean_loss = None if last is None else float(last)
+        self.noise = None if noise is None else float(noise)
+        self.last_halves = halves
+        self.history = history

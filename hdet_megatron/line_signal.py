@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-__all__ = ["LineFit", "line_points", "fit_line", "fit_quadratic", "persistence"]
+__all__ = ["LineFit", "line_points", "fit_line", "fit_quadratic", "persistence", "jackknife_fits"]
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,13 @@ class LineFit:
     pseudo_losses: list[float]
     """Per arm: the corrected quadratic at the arm's multiplier (what the controller compares);
     ``inf`` for an arm whose own point's loss was not finite."""
+    replicas: list[list[float]] = field(default_factory=list)
+    """Each replica's own loss at every point (rows of healthy replicas; :attr:`losses` is their
+    mean): their spread is the fit's noise (:func:`jackknife_fits`)."""
 
     def to_dict(self) -> dict:
         out = asdict(self)
+        del out["replicas"]  # per-replica rows stay out of the logs (one row per DP replica)
         out["pseudo_losses"] = [x if math.isfinite(x) else repr(x) for x in self.pseudo_losses]
         out["losses"] = [x if math.isfinite(x) else repr(x) for x in self.losses]
         return out
@@ -132,13 +136,16 @@ def fit_line(
     losses: Sequence[float],
     arm_multipliers: Sequence[float],
     kappa: float,
+    replica_losses: Sequence[Sequence[float]] = (),
 ) -> LineFit:
     """The window's :class:`LineFit`: fit the finite ``(points, losses)``, correct the slope,
     evaluate the pseudo-loss of every arm.
 
     With fewer than 3 finite points there is nothing to fit: every arm whose point is finite
     gets the same pseudo-loss (no information, so the controller does not move).
+    ``replica_losses``: the replicas' own rows behind ``losses`` (kept for :func:`jackknife_fits`).
     """
+    rows = [[float(v) for v in row] for row in replica_losses]
     points = [float(p) for p in points]
     losses = [float(v) for v in losses]
     if len(points) != len(losses):
@@ -151,7 +158,7 @@ def fit_line(
     if len(finite) < 3:
         level = min((v for _, v in finite), default=0.0)
         pseudo = [math.inf if b else level for b in bad]
-        return LineFit(points, losses, 0.0, 0.0, kappa, 0.0, pseudo)
+        return LineFit(points, losses, 0.0, 0.0, kappa, 0.0, pseudo, rows)
     a, g0, q = fit_quadratic([p - 1.0 for p, _ in finite], [v for _, v in finite])
     # g0 is the slope at x = 0, i.e. s = 1.
     corrected = g0 - (1.0 - kappa) * max(q, 0.0) / 2.0
@@ -159,4 +166,25 @@ def fit_line(
     for m, b in zip(arm_multipliers, bad):
         x = float(m) - 1.0
         pseudo.append(math.inf if b else a + corrected * x + 0.5 * q * x * x)
-    return LineFit(points, losses, g0, q, kappa, corrected, pseudo)
+    return LineFit(points, losses, g0, q, kappa, corrected, pseudo, rows)
+
+
+#: The most leave-a-group-out fits per window (groups of consecutive replicas).
+JACKKNIFE_GROUPS = 8
+
+
+def jackknife_fits(line: LineFit, arm_multipliers: Sequence[float]) -> list[LineFit]:
+    """The fit again with each replica (group) left out in turn (empty with < 3 replicas): the
+    spread of what they imply is the standard error of the window's step (every replica
+    evaluated the same line on its own batch, so the replicas are independent samples)."""
+    n = len(line.replicas)
+    if n < 3:
+        return []
+    # Delete-a-group jackknife: at most JACKKNIFE_GROUPS fits whatever the replica count.
+    groups = min(n, JACKKNIFE_GROUPS)
+    fits = []
+    for leave in range(groups):
+        rows = [row for i, row in enumerate(line.replicas) if i * groups // n != leave]
+        means = [math.fsum(col) / len(rows) for col in zip(*rows)]
+        fits.append(fit_line(line.points, means, arm_multipliers, line.persistence))
+    return fits

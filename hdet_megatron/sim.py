@@ -214,6 +214,7 @@ def simulate(
         problem = NQMProblem(dim=dim)
     elif dim != problem.dim:
         raise ValueError(f"dim={dim} disagrees with problem.dim={problem.dim}; pass one of them")
+    config = config.resolve(False, arms).config  # the training-loss simulator has no probe
     _check_run(config, arms, replicas_per_arm, steps, base_lr=base_lr)
 
     rng = np.random.default_rng(seed)
@@ -355,6 +356,10 @@ class BudgetNQM:
     """Std of one replica's measured training loss at one step around its expected loss (which
     batch it saw): the data noise of ``signal="train"``. ``probe`` and ``line`` evaluate on data
     common to all arms and see none of it."""
+    probe_noise: float = 0.0
+    """Std of one replica's loss at one line point around its expected value (each replica
+    evaluates the line on its own small batch); 0: exact points. The noise-aware step reads the
+    replicas' spread."""
 
     def __post_init__(self) -> None:
         NQMProblem(
@@ -372,6 +377,8 @@ class BudgetNQM:
             )
         if not math.isfinite(self.loss_noise) or self.loss_noise < 0:
             raise ValueError(f"BudgetNQM.loss_noise={self.loss_noise!r} must be >= 0")
+        if not math.isfinite(self.probe_noise) or self.probe_noise < 0:
+            raise ValueError(f"BudgetNQM.probe_noise={self.probe_noise!r} must be >= 0")
 
     def curvatures(self) -> np.ndarray:
         return np.exp(np.linspace(math.log(self.h_min), math.log(self.h_max), self.dim))
@@ -443,6 +450,8 @@ class BudgetResult:
     """Expected final loss at the best peak LR (a perfect sweep of the same schedule shape)."""
     final_loss: float
     """This run's realised final loss of the averaged model."""
+    updates: list[ControllerUpdate] = field(default_factory=list)
+    """The controller's update at every window (brake, confidence, ...)."""
 
     @property
     def gap(self) -> float:
@@ -483,6 +492,7 @@ def simulate_budget(
     problem = problem or BudgetNQM()
     if config.grad_sync != "global":
         raise ValueError("simulate_budget models grad_sync='global' only")
+    config = config.resolve(True, arms).config  # the simulator can evaluate any point
     _check_run(config, arms, replicas_per_arm, steps, start_scale=start_scale)
     period = config.period
     if steps < period:
@@ -493,6 +503,8 @@ def simulate_budget(
     h = problem.curvatures()
     rng = np.random.default_rng(seed)
     controller = AutoController(config, arms)
+    updates: list[ControllerUpdate] = []
+    side_rng = np.random.default_rng([seed, 1])
     noise_std = np.sqrt(problem.noise * h / replicas)
     error = rng.normal(0.0, problem.init_scale, size=problem.dim)  # the averaged model
     lrs: list[float] = []
@@ -520,9 +532,15 @@ def simulate_budget(
         error = start - update
         end = start[None, :] - rho[:, None] * update[None, :]
         end_losses = 0.5 * (end * end) @ h
+        data = problem.loss_noise / math.sqrt(length * replicas_per_arm)
+        # The training signal's noise from the run's stream; the brake's copy of the training
+        # losses and the probes' noise from a stream of their own, so that the line signals see
+        # the same run as without them.
+        train_rng = rng if config.signal == "train" else side_rng
+        train_losses = train / length + data * train_rng.standard_normal(arms)
+        line = None
         if config.signal == "train":
-            data = problem.loss_noise / math.sqrt(length * replicas_per_arm)
-            losses = train / length + data * rng.standard_normal(arms)
+            losses = train_losses
         elif config.signal == "probe":
             losses = end_losses
         else:
@@ -530,10 +548,23 @@ def simulate_budget(
             if config.signal == "average":  # the line through the window-averaged iterates
                 avg = start[None, :] - rho[:, None] * (update_sum / length)[None, :]
                 end_losses = 0.5 * (avg * avg) @ h
-            at = {p: float(v) for p, v in zip(rho.tolist(), end_losses)}
+            at = {p: float(v) for p, v in zip(rho.tolist(), end_losses, strict=True)}
+            exact = np.asarray([at[p] for p in points])
+            # Each replica's own noisy evaluation of the points (its own batch).
+            rows = exact[None, :] + problem.probe_noise * side_rng.standard_normal((replicas, len(points)))
             kappa = persistence(base[t - 1], base[-1]) if config.signal == "line" else 1.0
-            losses = np.asarray(fit_line(points, [at[p] for p in points], rho.tolist(), kappa).pseudo_losses)
-        controller.update(losses.tolist(), {"lr": rho.tolist()}, t, base_values={"lr": float(base[t - 1])})
+            line = fit_line(points, rows.mean(axis=0).tolist(), rho.tolist(), kappa, rows.tolist())
+            losses = np.asarray(line.pseudo_losses)
+        updates.append(
+            controller.update(
+                losses.tolist(),
+                {"lr": rho.tolist()},
+                t,
+                base_values={"lr": float(base[t - 1])},
+                line=line,
+                train_losses=train_losses.tolist(),
+            )
+        )
         scales.append(controller.scale("lr"))
         if not np.all(np.isfinite(error)):
             break
@@ -545,4 +576,5 @@ def simulate_budget(
         budget_expected_loss(problem, lrs, replicas),
         best_loss,
         final if math.isfinite(final) else math.inf,
+        updates,
     )

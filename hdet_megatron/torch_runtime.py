@@ -49,6 +49,14 @@ class _Runtime:
         process_group,
         probe_fn: Callable[[], Any] | None = None,
     ) -> None:
+        self.config = config
+        self._init_topology(process_group)
+        # "auto"/None fields: the measured defaults for this run (a probe needs the model too).
+        resolution = config.resolve(probe_fn is not None and model is not None, self.num_arms)
+        config = resolution.config
+        if resolution.note:
+            log = logger.warning if config.auto and probe_fn is None else logger.info
+            log("%s", resolution.note)
         if config.signal in PROBE_SIGNALS:
             if probe_fn is None:
                 raise ValueError(
@@ -66,7 +74,6 @@ class _Runtime:
         self.probe_fn = probe_fn
         self.model = model
         self.config = config
-        self._init_topology(process_group)
 
         # Which axis drives the LR of each param group.
         self.group_axes: list[Any | None] = []

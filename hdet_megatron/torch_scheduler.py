@@ -263,7 +263,7 @@ class HDETOneCycleLR(OneCycleLR):
             kappa = 1.0
             if cfg.signal == "line":
                 kappa = persistence(self._base_lrs_at(step)[0], self._base_lrs_at(self.total_steps)[0])
-            line = fit_line(points, reduced.point_losses, spreads["lr"], kappa)
+            line = fit_line(points, reduced.point_losses, spreads["lr"], kappa, reduced.replica_losses)
             return reduced, list(line.pseudo_losses), line
         if cfg.signal in LINE_SIGNALS and rt.steps_in_window:
             # No line this window (a mid-window resume): equal losses, so nothing moves.
@@ -308,7 +308,14 @@ class HDETOneCycleLR(OneCycleLR):
                 axis.name: bases[rt.group_axes.index(axis)] for axis in cfg.axes if axis in rt.group_axes
             }
             try:
-                update = rt.controller.update(losses, rt.spreads(window), step, base_values)
+                update = rt.controller.update(
+                    losses,
+                    rt.spreads(window),
+                    step,
+                    base_values,
+                    line=line,
+                    train_losses=[math.inf if bad else x for x, bad in zip(reduced.train, reduced.bad)],
+                )
             except AllArmsNonFinite:
                 if not cfg.rollback:
                     raise

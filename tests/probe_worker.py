@@ -48,6 +48,8 @@ class ProbeRun:
     resume: dict | None = None
     """A checkpoint taken by a run with ``save_at`` (DDP: state dicts; FSDP2: a DCP directory)."""
     save_dir: str | None = None
+    max_lr: float = 0.05
+    """``HDETOneCycleLR``'s peak LR (the brake test sets it far too high)."""
 
 
 def _batch(rank: int, step: int, n: int = 16):
@@ -145,7 +147,7 @@ def run(rank: int, world: int, spec: ProbeRun) -> dict:
     probe = BatchProbe(loss_fn, lambda window: _probe_batch(key, window)) if spec.signal != "train" else None
     sched = HDETOneCycleLR(
         optimizer,
-        max_lr=0.05,
+        max_lr=spec.max_lr,
         total_steps=spec.steps + 1,
         hdet=config,
         model=model,

@@ -16,14 +16,72 @@ from hdet_megatron.config import (
 )
 
 
-def test_defaults_follow_the_paper():
+def test_defaults_resolve_to_the_measured_defaults():
     config = HDETConfig()
     assert config.period == 1000 and config.arms is None and config.grad_sync == "global"
-    assert config.axes == (Axis("lr", 1 / 9),)
-    assert config.temperature == 0.1 and config.meta_lr == 0.5 and config.momentum == 0.9
-    assert config.rule == "relative" and config.scale_bounds == (0.01, 100.0)
+    assert config.signal == "auto" and config.rule == "auto" and config.axes is None
+    assert config.meta_lr is None and config.momentum is None and config.start_scale is None
+    assert not config.resolved and config.brake and config.noise_aware
+    assert config.temperature == 0.1 and config.scale_bounds == (0.01, 100.0)
     assert config.nonfinite == "exclude" and not config.rollback
-    assert config.axis("lr").spread == 1 / 9 and config.axis("dropout") is None
+    # Without a probe: the paper's signal and the relative rule at the user's LR.
+    paper = config.resolve(probe_available=False, num_arms=8)
+    c = paper.config
+    assert c.resolved and c.signal == "train" and c.rule == "relative" and c.axes == (Axis("lr", 1 / 9),)
+    assert (c.meta_lr, c.momentum, c.start_scale) == (0.5, 0.9, 1.0)
+    assert "no probe_fn" in paper.note and "'train'" in paper.note
+    # With a probe and >= 3 arms: the measured best (BENCHMARKS.md section 3), started low.
+    best = config.resolve(probe_available=True, num_arms=4)
+    c = best.config
+    assert c.signal == "average" and c.rule == "newton" and c.axes == (Axis("lr", 0.3),)
+    assert (c.meta_lr, c.momentum, c.start_scale) == (1.0, 0.5, 0.25)
+    assert "slow start at 0.25x" in best.note
+    # Fewer than 3 arms, arm-local gradients or other axes: no line, so the paper's defaults.
+    assert config.resolve(True, 2).config.signal == "train"
+    assert "3 arms" in config.resolve(True, 2).note
+    assert HDETConfig(grad_sync="arm").resolve(True, 4).config.signal == "train"
+    two_axes = HDETConfig(axes=(Axis("lr", 0.2), Axis("dropout", 0.05)))
+    assert two_axes.resolve(True, 4).config.signal == "train"
+    # What the user set is kept; a resolved config resolves to itself with no note.
+    mine = HDETConfig(signal="line", meta_lr=0.7, start_scale=0.5)
+    c = mine.resolve(True, 4).config
+    assert (c.signal, c.rule, c.meta_lr, c.momentum, c.start_scale) == ("line", "newton", 0.7, 0.5, 0.5)
+    assert c.resolve(False, 4).config is c and c.resolve(False, 4).note == ""
+    # Auto off: the scale stays at the user's LR (no slow start without a controller).
+    assert HDETConfig(auto=False).resolve(True, 4).config.start_scale == 1.0
+
+
+def test_line_signals_refuse_lr_bounds():
+    # Clipped arms would leave the update line (issue 29 bug 5).
+    with pytest.raises(HDETConfigError, match="unbounded 'lr' axis"):
+        HDETConfig(signal="average", axes=(Axis("lr", 0.3, min=1e-5),))
+    bounded = HDETConfig(axes=(Axis("lr", 0.3, max=1.0),))
+    assert bounded.resolve(True, 4).config.signal == "train"
+
+
+def test_guard_fields_are_validated():
+    for changes, field in [
+        ({"start_scale": 0.0}, "start_scale"),
+        ({"start_scale": 1000.0}, "start_scale"),
+        ({"brake": 1}, "brake"),
+        ({"brake_factor": 1.0}, "brake_factor"),
+        ({"brake_spike": 0.0}, "brake_spike"),
+        ({"brake_rise": -1.0}, "brake_rise"),
+        ({"brake_hold": -1}, "brake_hold"),
+        ({"noise_aware": "yes"}, "noise_aware"),
+    ]:
+        with pytest.raises(HDETConfigError, match=rf"HDETConfig\.{field}="):
+            HDETConfig(**changes)
+
+
+def test_old_fingerprints_resume_without_the_guards():
+    old = HDETConfig(signal="train", rule="relative", axes=(Axis("lr", 1 / 9),), meta_lr=0.5, momentum=0.9)
+    data = old.fingerprint()
+    for key in ("start_scale", "brake", "noise_aware"):
+        del data[key]
+    restored = HDETConfig.from_fingerprint(data)
+    assert restored.start_scale == 1.0 and not restored.brake and not restored.noise_aware
+    assert restored.resolved
 
 
 @pytest.mark.parametrize(
@@ -152,7 +210,7 @@ def test_axes_from_strings():
 def test_fingerprint_round_trip(config):
     data = config.fingerprint()
     assert json.loads(json.dumps(data)) == data  # plain data
-    assert isinstance(data["axes"], list) and isinstance(data["scale_bounds"], list)
+    assert isinstance(data["axes"], (list, type(None))) and isinstance(data["scale_bounds"], list)
     assert HDETConfig.from_fingerprint(data) == config
     assert HDETConfig.from_fingerprint(json.loads(json.dumps(data))) == config
     with pytest.raises(HDETConfigError, match="period"):

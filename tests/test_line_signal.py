@@ -80,8 +80,13 @@ def test_fit_line_non_finite_points():
         fit_line(RHO, losses, RHO, 1.5)
 
 
+#: The rules and signals alone: slow start, brake and noise-aware steps off (tests/test_guards.py).
+RULE_ONLY = {"start_scale": 1.0, "brake": False, "noise_aware": False}
+
+
 def newton(**kw) -> AutoController:
     kw.setdefault("axes", (Axis("lr", 0.3),))
+    kw = {**RULE_ONLY, **kw}
     num_arms = kw.pop("num_arms", 4)
     return AutoController(HDETConfig(rule="newton", **kw), num_arms)
 
@@ -136,11 +141,26 @@ LINE = HDETConfig(
     rule="newton",
     meta_lr=1.0,
     momentum=0.5,
+    **RULE_ONLY,
 )
 TODAY = {
-    "train": HDETConfig(period=20, axes=(Axis("lr", 0.3),), temperature="auto", meta_lr=0.5, momentum=0.5),
+    "train": HDETConfig(
+        period=20,
+        axes=(Axis("lr", 0.3),),
+        temperature="auto",
+        meta_lr=0.5,
+        momentum=0.5,
+        signal="train",
+        **RULE_ONLY,
+    ),
     "probe": HDETConfig(
-        period=20, axes=(Axis("lr", 0.3),), temperature="auto", meta_lr=0.5, momentum=0.5, signal="probe"
+        period=20,
+        axes=(Axis("lr", 0.3),),
+        temperature="auto",
+        meta_lr=0.5,
+        momentum=0.5,
+        signal="probe",
+        **RULE_ONLY,
     ),
 }
 

@@ -188,8 +188,13 @@ def test_cli_options_and_errors(capsys):
     assert main(["simulate", "--spread", "1.5"]) == 2
     assert "spread" in capsys.readouterr().err
     assert main(["simulate", "--steps", "50"]) == 2  # shorter than one window
-    assert main(["simulate", "--base-lr", "3.0", "--steps", "1000"]) == 1  # every arm diverges
+    # 11.6x the optimum: without the brake every arm diverges in the first window; with it (the
+    # default) the scale is cut where the losses blow up and the run ends near the optimum.
+    assert main(["simulate", "--base-lr", "3.0", "--steps", "1000", "--no-brake"]) == 1
     assert "non-finite" in capsys.readouterr().err
+    assert main(["simulate", "--base-lr", "3.0", "--steps", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "brake: " in out and "final lr=0.713 (2.746x optimum)" in out
     with pytest.raises(SystemExit):
         main(["simulate", "--sigma", "hot"])
     assert main(["report", "runs/does-not-exist"]) == 2  # implemented in hdet_megatron/report.py

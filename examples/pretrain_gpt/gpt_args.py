@@ -480,6 +480,10 @@ def validate_args(args, argv: list[str], world_size: int):
                 "data-parallel replicas; lower --expert-model-parallel-size or add replicas"
             )
         args.hdet_num_arms = arms
+        # This script always supplies a probe (batches no arm trained on), so "auto" fields take
+        # the probe defaults (HDETConfig.resolve); the header prints what was chosen.
+        resolution = hdet.resolve(probe_available=True, num_arms=arms)
+        hdet, args.hdet_defaults_note = resolution.config, resolution.note
         if args.eval_iters and args.eval_interval % hdet.period:
             print(
                 f"{PROG}: note: --eval-interval {args.eval_interval} is not a multiple of "

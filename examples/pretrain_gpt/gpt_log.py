@@ -57,8 +57,11 @@ class RunLog:
             axes = ", ".join(f"{a.name}:{a.spread:.3g}" for a in c.axes)
             say(
                 f"HDET on: {tr.num_arms} arms over DP{tr.dp}, period {c.period}, axes {axes}, "
-                f"grad_sync {c.grad_sync}, auto {c.auto} (sigma {c.temperature}, lambda {c.meta_lr})"
+                f"grad_sync {c.grad_sync}, auto {c.auto} (signal {c.signal}, rule {c.rule}, "
+                f"lambda {c.meta_lr}, start scale {c.start_scale:g}, brake {'on' if c.brake else 'off'})"
             )
+            if getattr(args, "hdet_defaults_note", ""):
+                say(args.hdet_defaults_note)
         else:
             say("HDET off (--no-hdet): plain Megatron data-parallel training")
         say(

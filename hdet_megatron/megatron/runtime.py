@@ -296,10 +296,16 @@ class HDET:
                 "the scheduler was built with hdet=None (plain Megatron); build it with "
                 "HDETOptimizerParamScheduler(..., hdet=config) to run HDET"
             )
-        if scheduler.hdet_config != config:
+        if config not in (scheduler.hdet_user_config, scheduler.hdet_config):
             raise HDETSetupError("HDET config differs from the scheduler's hdet config; pass the same one")
         if scheduler.optimizer is not optimizer:
             raise HDETSetupError("the scheduler was built for a different optimizer")
+        # "auto"/None fields resolve to the measured defaults, which depend on the probe.
+        scheduler.adopt_probe(probe_fn is not None)
+        config = scheduler.hdet_config
+        if scheduler.resolution_note:
+            log = logger.warning if config.auto and probe_fn is None else logger.info
+            log("%s", scheduler.resolution_note)
         if config.signal in ("probe",) + LINE_SIGNALS and probe_fn is None:
             raise HDETSetupError(
                 f"HDETConfig.signal={config.signal!r} needs probe_fn: a forward-only pass on an "
@@ -581,7 +587,7 @@ class HDET:
             kappa = persistence(base_now, base_end) if self.config.signal == "line" else 1.0
             # Point means over the replicas whose arm is finite (one diverged arm cannot poison
             # the points the healthy replicas evaluated; its own pseudo-loss is inf below).
-            line = fit_line(line_pts, reduced.point_losses, arm_values["lr"], kappa)
+            line = fit_line(line_pts, reduced.point_losses, arm_values["lr"], kappa, reduced.replica_losses)
             arm_losses = list(line.pseudo_losses)
         elif self.config.signal in LINE_SIGNALS:
             # No line this window (see mark_window_start): equal losses, so nothing moves.
@@ -601,6 +607,8 @@ class HDET:
                 arm_values,
                 step=self.iteration,
                 base_values={**self.scheduler.base_values(), **self.module_axes.base_values()},
+                line=line,
+                train_losses=[math.inf if bad else x for x, bad in zip(train_losses, bad_params)],
             )
         except AllArmsNonFinite:
             if self.rollback is None:

@@ -93,6 +93,9 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):  # megatron-core is 
     ) -> None:
         if hdet is not None and not isinstance(hdet, HDETConfig):
             raise HDETSetupError(f"hdet must be an HDETConfig or None, got {type(hdet).__name__}")
+        self.hdet_user_config = hdet
+        """The config as given (``"auto"``/None fields unresolved); :attr:`hdet_config` is the
+        resolved one this scheduler runs (see :meth:`adopt_probe`)."""
         self.hdet_config = hdet
         # Set by HDET (the runtime object) so that its window state travels with this state.
         self.hdet_runtime = None
@@ -113,8 +116,11 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):  # megatron-core is 
             else:
                 layout = ArmLayout.single()  # one process without torch.distributed: one arm
         self.layout = layout
+        # Resolved without a probe; HDET(probe_fn=...) re-resolves through adopt_probe.
         self.controller = AutoController(hdet, self.layout.num_arms)
-        self._spread = arm_spread(hdet, self.layout.num_arms, 0)
+        self.hdet_config = self.controller.config
+        self.resolution_note = self.controller.resolution_note
+        self._spread = arm_spread(self.hdet_config, self.layout.num_arms, 0)
         super().__init__(optimizer, *args, **kwargs)
         # Group selection needs the parent's max_lr; the parent's step(0) ran without factors.
         self._group_axes = self._resolve_group_axes(optimizer)
@@ -166,6 +172,29 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):  # megatron-core is 
                     "get_megatron_optimizer(config_overrides=...))"
                 )
         return resolved
+
+    def adopt_probe(self, probe_available: bool) -> None:
+        """Resolve the user's config again now that HDET knows whether the training loop supplies
+        a probe (the scheduler is built before HDET and the probe). A no-op when nothing changes;
+        refused once the controller has seen a window (the defaults are chosen before the first)."""
+        self._require_hdet("adopt_probe")
+        controller = AutoController(
+            self.hdet_user_config, self.layout.num_arms, probe_available=probe_available
+        )
+        if controller.config == self.hdet_config:
+            return
+        if self.controller.window or self.controller.num_updates or self.window:
+            raise HDETSetupError(
+                "HDET's auto defaults depend on whether a probe_fn is given, and this scheduler has "
+                "already run windows with other defaults; build HDET (with its probe_fn) before "
+                "loading a checkpoint or stepping windows"
+            )
+        self.controller = controller
+        self.hdet_config = controller.config
+        self.resolution_note = controller.resolution_note
+        self._spread = arm_spread(self.hdet_config, self.layout.num_arms, 0)
+        self._group_axes = self._resolve_group_axes(self.optimizer)
+        self._apply_factors()
 
     # -- the per-arm factors -------------------------------------------------------------------
     def set_window(self, window: int) -> None:
