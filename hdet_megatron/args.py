@@ -28,7 +28,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import replace
 
-from hdet_megatron.config import TRAIN_DEFAULTS, Axis, HDETConfig, HDETConfigError, parse_axis
+from hdet_megatron.config import PAPER_SPREAD, Axis, HDETConfig, HDETConfigError, parse_axis
 from hdet_megatron.preflight import integer, number
 
 _DEFAULT = HDETConfig()
@@ -77,7 +77,8 @@ def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="NAME:SPREAD[:MIN:MAX]",
         help="explored hyperparameter (repeatable): lr, lr:<group>, weight_decay, "
-        "dropout, attention_temperature; default: lr with the measured spread (0.3 with a line signal, else 1/9)",
+        "dropout, attention_temperature; default: lr with the measured spread (0.3 with a "
+        "line signal, else 1/9)",
     )
     g.add_argument(
         "--hdet-spread",
@@ -295,7 +296,7 @@ def hdet_config_from_args(args: argparse.Namespace) -> HDETConfig | None:
             flags["axes"] = "--hdet-spread"
             axes = (Axis("lr", args.hdet_spread),)
         elif args.hdet_spread_kind != "linear":
-            axes = (Axis("lr", TRAIN_DEFAULTS["spread"]),)
+            axes = (Axis("lr", PAPER_SPREAD),)
         else:
             axes = None  # the measured default, chosen when the run starts
         if axes is not None and args.hdet_spread_kind != "linear":
@@ -305,7 +306,7 @@ def hdet_config_from_args(args: argparse.Namespace) -> HDETConfig | None:
         raise HDETConfigError(name_the_flag(str(exc), flags)) from None
 
 
-def _config(args: argparse.Namespace, axes: tuple) -> HDETConfig:
+def _config(args: argparse.Namespace, axes: tuple[Axis, ...] | None) -> HDETConfig:
     return HDETConfig(
         period=args.hdet_period,
         arms=args.hdet_arms,

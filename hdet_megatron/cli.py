@@ -292,9 +292,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
     rows = zip(result.steps, result.scales, result.losses, result.updates, strict=True)
     for k, (step, scale, loss, update) in enumerate(rows):
         if k % args.every == 0 or k == last or update.brake:
-            print(
-                f"{k:>6} {step:>8} {scale:>9.4f} {base * scale / optimum:>8.3f} {loss:>10.4g}  {_guards(update)}"
-            )
+            lr_opt = base * scale / optimum
+            print(f"{k:>6} {step:>8} {scale:>9.4f} {lr_opt:>8.3f} {loss:>10.4g}  {_guards(update)}")
     print(
         f"# final lr={result.final_lr:.4g} ({result.final_lr / optimum:.3f}x optimum), "
         f"final loss={result.final_loss:.4g}, rollbacks={result.rollbacks}"

@@ -18,8 +18,8 @@ LINE_SIGNALS = ("line", "average")
 #: with a probe, the ``average`` signal and the ``newton`` rule, started low; without one, the
 #: paper's ``train`` signal with the ``relative`` rule at the user's LR (it cannot climb far, so
 #: it must not start low).
-PROBE_DEFAULTS = {"signal": "average", "rule": "newton", "spread": 0.3, "meta_lr": 1.0, "momentum": 0.5}
-TRAIN_DEFAULTS = {"signal": "train", "rule": "relative", "spread": 1.0 / 9.0, "meta_lr": 0.5, "momentum": 0.9}
+LINE_SPREAD = 0.3
+PAPER_SPREAD = 1.0 / 9.0
 #: Where the LR scale starts with the probe defaults: a quarter of the user's LR. A too-high LR
 #: does lasting damage within the first windows, a too-low one only costs the windows it takes
 #: the controller to climb (BENCHMARKS.md 3c/3d).
@@ -324,6 +324,13 @@ class HDETConfig:
         return next((a for a in self.axes or () if a.name == name), None)
 
     @property
+    def resolved_axes(self) -> tuple[Axis, ...]:
+        """The explored axes; a runtime reads them from a resolved config (:meth:`resolve`)."""
+        if self.axes is None:
+            raise HDETConfigError("HDETConfig.axes=None: resolve() the config first (the measured default)")
+        return self.axes
+
+    @property
     def resolved(self) -> bool:
         """No ``"auto"``/None field is left for :meth:`resolve` to fill."""
         return (
@@ -354,12 +361,11 @@ class HDETConfig:
             signal = "average" if not blocker else "train"
             why = f"signal {signal!r}" + (f": 'average' {blocker}" if blocker else " (a probe is available)")
         line = signal in LINE_SIGNALS
-        defaults = PROBE_DEFAULTS if line else TRAIN_DEFAULTS
         rule = self.rule
         if rule == "auto":
             rule = "newton" if line and num_arms >= 3 else "relative"
         newton = rule == "newton"
-        axes = self.axes if self.axes is not None else (Axis("lr", defaults["spread"]),)
+        axes = self.axes if self.axes is not None else (Axis("lr", LINE_SPREAD if line else PAPER_SPREAD),)
         start = self.start_scale
         if start is None:
             start = SLOW_START_SCALE if self.auto and line and newton and num_arms >= 3 else 1.0

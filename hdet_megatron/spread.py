@@ -173,7 +173,7 @@ def arm_values(axis: Axis, n: int, seed: int, window: int) -> list[float]:
 
 def arm_spread(config: HDETConfig, n: int, window: int) -> dict[str, list[float]]:
     """``arm_values`` of every axis of ``config`` (seed ``config.seed``), keyed by axis name."""
-    return {axis.name: arm_values(axis, n, config.seed, window) for axis in config.axes}
+    return {axis.name: arm_values(axis, n, config.seed, window) for axis in config.resolved_axes}
 
 
 def arm_axis_value(axis: Axis, base: float, scale: float, spread_value: float) -> float:

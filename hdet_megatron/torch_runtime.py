@@ -77,24 +77,26 @@ class _Runtime:
 
         # Which axis drives the LR of each param group.
         self.group_axes: list[Any | None] = []
-        for axis in config.axes:
+        for axis in config.resolved_axes:
             if axis.name != "lr" and axis.group is None:
                 raise NotImplementedError(
                     f"HDETOneCycleLR explores only the learning rate ({_SUPPORTED_AXES}); axis "
                     f"{axis.name!r} needs model support (use the Megatron integration, or remove it)"
                 )
         for g, group in enumerate(optimizer.param_groups):
-            found = [a for a in config.axes if a.name == "lr"]
+            found = [a for a in config.resolved_axes if a.name == "lr"]
             name = group.get("name")
             if name is not None:
-                found += [a for a in config.axes if a.group and fnmatch.fnmatchcase(str(name), a.group)]
+                found += [
+                    a for a in config.resolved_axes if a.group and fnmatch.fnmatchcase(str(name), a.group)
+                ]
             if len(found) > 1:
                 raise ValueError(
                     f"param group {g} (name {name!r}) matches several axes "
                     f"{[a.name for a in found]}; make the lr:<group> patterns disjoint"
                 )
             self.group_axes.append(found[0] if found else None)
-        for axis in config.axes:
+        for axis in config.resolved_axes:
             if axis.group is not None and axis not in self.group_axes:
                 raise ValueError(
                     f"axis {axis.name!r} matches no param group (names: "

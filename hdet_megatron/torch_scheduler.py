@@ -305,7 +305,9 @@ class HDETOneCycleLR(OneCycleLR):
             losses = [math.inf if bad else x for x, bad in zip(losses, reduced.bad, strict=True)]
             bases = self._base_lrs_at(step)  # base schedule at the first step of the next window
             base_values = {
-                axis.name: bases[rt.group_axes.index(axis)] for axis in cfg.axes if axis in rt.group_axes
+                axis.name: bases[rt.group_axes.index(axis)]
+                for axis in cfg.resolved_axes
+                if axis in rt.group_axes
             }
             try:
                 update = rt.controller.update(
@@ -314,7 +316,9 @@ class HDETOneCycleLR(OneCycleLR):
                     step,
                     base_values,
                     line=line,
-                    train_losses=[math.inf if bad else x for x, bad in zip(reduced.train, reduced.bad)],
+                    train_losses=[
+                        math.inf if bad else x for x, bad in zip(reduced.train, reduced.bad, strict=True)
+                    ],
                 )
             except AllArmsNonFinite:
                 if not cfg.rollback:

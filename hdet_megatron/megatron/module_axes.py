@@ -66,7 +66,7 @@ class ModuleAxes:
 
     def __init__(self, model: Sequence[torch.nn.Module], config: HDETConfig, arm: int) -> None:
         self.axes: dict[str, Axis] = {
-            a.name: a for a in config.axes if a.name in ("dropout", "attention_temperature")
+            a.name: a for a in config.resolved_axes if a.name in ("dropout", "attention_temperature")
         }
         self.arm = arm
         self.targets = _find_targets(model, set(self.axes))

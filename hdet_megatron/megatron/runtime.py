@@ -608,7 +608,9 @@ class HDET:
                 step=self.iteration,
                 base_values={**self.scheduler.base_values(), **self.module_axes.base_values()},
                 line=line,
-                train_losses=[math.inf if bad else x for x, bad in zip(train_losses, bad_params)],
+                train_losses=[
+                    math.inf if bad else x for x, bad in zip(train_losses, bad_params, strict=True)
+                ],
             )
         except AllArmsNonFinite:
             if self.rollback is None:

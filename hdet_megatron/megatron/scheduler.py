@@ -142,7 +142,7 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):  # megatron-core is 
         """For each param group, the name of the LR axis that scales it (or None)."""
         config = self.hdet_config
         assert config is not None  # called by __init__ with HDET on
-        group_axes = [a for a in config.axes if a.group is not None]
+        group_axes = [a for a in config.resolved_axes if a.group is not None]
         groups = optimizer.param_groups
         if not group_axes:
             has_lr = config.axis("lr") is not None
@@ -178,6 +178,8 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):  # megatron-core is 
         a probe (the scheduler is built before HDET and the probe). A no-op when nothing changes;
         refused once the controller has seen a window (the defaults are chosen before the first)."""
         self._require_hdet("adopt_probe")
+        # Set with the HDET config in __init__ (_require_hdet checked it).
+        assert self.hdet_user_config is not None and self.layout is not None and self.controller is not None
         controller = AutoController(
             self.hdet_user_config, self.layout.num_arms, probe_available=probe_available
         )
@@ -254,7 +256,7 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):  # megatron-core is 
         """Base (un-spread, un-scaled) value of every scheduler axis now (for ``rule="paper"``)."""
         groups = self.optimizer.param_groups
         values = {}
-        for axis in self.hdet_config.axes if self.hdet_config is not None else ():
+        for axis in self.hdet_config.resolved_axes if self.hdet_config is not None else ():
             assert self._group_axes is not None  # resolved in __init__ with HDET on
             if axis.name == "weight_decay":
                 values[axis.name] = self.get_wd(groups[0] if groups else None)

@@ -200,7 +200,7 @@ def on_setup(model, optimizer, opt_param_scheduler) -> None:
     # The signal the run uses: HDET may resolve an automatic choice once it knows of the probe.
     probe.signal = config.signal
     layout = hdet.layout
-    axes = ", ".join(f"{a.name}:{a.spread:g}" for a in config.axes)
+    axes = ", ".join(f"{a.name}:{a.spread:g}" for a in config.resolved_axes)
     _print0(
         f"on: {layout.num_arms} arms over DP {layout.dp_size} ({layout.replicas_per_arm} "
         f"replica(s) per arm), period {config.period}, axes {axes}, grad_sync {config.grad_sync}, "

@@ -86,10 +86,10 @@ def _merge_config(current: HDETConfig, ckpt: HDETConfig, mode: str) -> tuple[HDE
             "use_checkpoint_opt_param_scheduler nor override_opt_param_scheduler (or "
             "use_checkpoint_hdet_config / override_hdet_config) is set; nothing was loaded"
         )
-    ckpt_axes = [a.name for a in ckpt.axes]
-    if sorted(ckpt_axes) != sorted(a.name for a in current.axes):
+    ckpt_axes = [a.name for a in ckpt.resolved_axes]
+    if sorted(ckpt_axes) != sorted(a.name for a in current.resolved_axes):
         raise HDETCheckpointError(
-            f"the checkpoint explores axes {ckpt_axes}, this run {[a.name for a in current.axes]}; "
+            f"the checkpoint explores axes {ckpt_axes}, this run {[a.name for a in current.resolved_axes]}; "
             "axes cannot change once HDET is built. Build with the checkpoint's config "
             "(hdet_megatron.megatron.checkpointing.checkpoint_hdet_config(path)) or pass "
             "override_hdet_config=True to keep this run's axes; nothing was loaded"
@@ -110,7 +110,7 @@ def _controller_state_for(config: HDETConfig, state: Mapping, dropped: list[str]
     if not isinstance(axes, Mapping):
         return out
     new_axes = {}
-    for axis in config.axes:
+    for axis in config.resolved_axes:
         if axis.name in axes:
             new_axes[axis.name] = axes[axis.name]
         else:
@@ -215,11 +215,13 @@ def plan_hdet_load(scheduler, state: Any, override: bool | None = None) -> HDETL
     # The controller, loaded into a scratch object (validates everything it reads).
     dropped: list[str] = []
     ctl_state = controller_state
-    if mode == "current" and sorted(a.name for a in config.axes) != sorted(a.name for a in ckpt_config.axes):
+    if mode == "current" and sorted(a.name for a in config.resolved_axes) != sorted(
+        a.name for a in ckpt_config.resolved_axes
+    ):
         ctl_state = _controller_state_for(config, controller_state, dropped)
         messages.append(
-            f"override: axes {[a.name for a in config.axes]} replace the checkpoint's "
-            f"{[a.name for a in ckpt_config.axes]}; new axes start at scale 1"
+            f"override: axes {[a.name for a in config.resolved_axes]} replace the checkpoint's "
+            f"{[a.name for a in ckpt_config.resolved_axes]}; new axes start at scale 1"
             + (f", dropped {dropped}" if dropped else "")
         )
     controller = AutoController(config, scheduler.layout.num_arms)
