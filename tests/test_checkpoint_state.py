@@ -82,7 +82,8 @@ def test_round_trip_restores_everything():
     assert set(state) >= set(OptimizerParamScheduler.state_dict(a)) | {"hdet"}
     hdet = state["hdet"]
     assert hdet["window"] == 2 and hdet["generator"] == {"seed": 0, "window": 2}
-    assert hdet["num_arms"] == 2 and hdet["dp_size"] == 2 and hdet["config"] == CONFIG.fingerprint()
+    resolved = CONFIG.resolve(probe_available=False, num_arms=2).config  # no HDET runtime, no probe
+    assert hdet["num_arms"] == 2 and hdet["dp_size"] == 2 and hdet["config"] == resolved.fingerprint()
     assert hdet["controller"]["axes"]["lr"]["scale"] != 1.0
     b = scheduler()
     b.load_state_dict(copy.deepcopy(state))
@@ -191,13 +192,15 @@ def test_changed_config_override(how):
     if how == "megatron_flag":
         kwargs = dict(override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)
     s = scheduler(new, **kwargs)
+    kept = s.hdet_config  # ``new`` as this run resolved it
+    assert kept.period == 6 and kept == new.resolve(probe_available=False, num_arms=2).config
     if how == "attribute":
         s.override_hdet_config = True
     if how == "argument":
         s.load_hdet_state_dict(state["hdet"], override=True)
     else:
         s.load_state_dict(state)
-    assert s.hdet_config is new
+    assert s.hdet_config is kept
     assert s.controller.scales() == trained().controller.scales()
 
 

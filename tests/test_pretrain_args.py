@@ -58,7 +58,9 @@ def test_defaults_and_derived_values(pg, data):
     assert args.tokenizer_type == "ByteLevel"  # taken from the dataset's sidecar
     assert args.max_position_embeddings == args.seq_length and args.ffn_hidden_size == 4 * args.hidden_size
     assert args.lr_decay_iters == args.train_iters
-    assert hdet == HDETConfig()  # every HDET default comes from HDETConfig
+    # Every HDET default comes from HDETConfig, resolved for this script (it always has a probe).
+    assert hdet == HDETConfig().resolve(probe_available=True, num_arms=2).config
+    assert hdet.signal == "train" and "needs >= 3 arms" in args.hdet_defaults_note  # DP 2: 2 arms
     assert args.hdet_num_arms == 2
     args, hdet = parse(pg, ["--mock-data", "--no-hdet"])
     assert hdet is None and args.hdet_num_arms == 1 and args.global_batch_size == 4 * 4
@@ -105,6 +107,18 @@ def test_hdet_flags_cover_every_config_field(pg, data):
         "--hdet-rollback",
         "--hdet-signal",
         "probe",
+        "--hdet-start-scale",
+        "0.5",
+        "--no-hdet-brake",
+        "--hdet-brake-factor",
+        "0.3",
+        "--hdet-brake-spike",
+        "0.5",
+        "--hdet-brake-rise",
+        "0.3",
+        "--hdet-brake-hold",
+        "4",
+        "--no-hdet-noise-aware",
     ]
     _, hdet = parse(pg, argv)
     changed = {

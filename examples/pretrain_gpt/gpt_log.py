@@ -158,6 +158,7 @@ class RunLog:
             "update": m.update,
             "excluded": m.excluded,
             "converge_seconds": m.converge_seconds,
+            "probe_seconds": m.probe_seconds,
             "converge_bytes": m.converge_bytes,
             "converge_bytes_per_step": m.converge_bytes_per_step,
             "grad_bytes_per_step": m.grad_bytes_per_step,

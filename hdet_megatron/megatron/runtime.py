@@ -103,6 +103,8 @@ class WindowMetrics:
     """With ``signal="line"``: the window's line search (``LineFit.to_dict()``): the points, the
     mean loss at each, the fitted slope and curvature, the persistence and the pseudo-losses
     (which are ``arm_losses``)."""
+    probe_seconds: float = 0.0
+    """Host wall time of the window's probes (the line points' forward passes and restores)."""
 
     @property
     def converge_bytes_per_step(self) -> float:
@@ -570,6 +572,7 @@ class HDET:
         self._check_param_groups_unchanged()
         arm_values = self.scheduler.arm_spread_values()
         line_pts = None
+        probe_start = time.perf_counter()
         if self.config.signal == "probe":
             start_probe_window(self.probe_fn, self.scheduler.window)
             probe = self._probe_loss()
@@ -578,6 +581,9 @@ class HDET:
             line_pts, probe = self._line_probe(arm_values)
         else:
             probe = None
+        # Host time of the probes (their forward passes are launched here; on an accelerator part
+        # of them may run on after this, so it is a lower bound there).
+        probe_seconds = time.perf_counter() - probe_start
         reduced = self._reduce_window(probe, len(line_pts) if line_pts is not None else 0)  # one host sync
         train_losses, bad_params = reduced.train, reduced.bad
         line = None
@@ -642,6 +648,7 @@ class HDET:
             arm_train_losses=train_losses,
             grad_bytes_per_step=self.grad_bytes_per_step,
             line=line.to_dict() if line is not None else None,
+            probe_seconds=probe_seconds,
         )
         self.last_update = update
         self.history.append(metrics)

@@ -194,6 +194,9 @@ def on_setup(model, optimizer, opt_param_scheduler) -> None:
     # the next training batches through Megatron's forward_backward_func, bound by train_step.
     probe = TrainingLoopProbe(getattr(opt_param_scheduler.hdet_config, "signal", "train"))
     hdet = HDET(opt_param_scheduler.hdet_config, model, optimizer, opt_param_scheduler, probe_fn=probe)  # type: ignore[arg-type]
+    # HDET resolved the "auto" fields knowing it has a probe (HDETConfig.resolve): the signal the
+    # probe serves is the resolved one.
+    probe.signal = hdet.config.signal
     _STATE.runtime = hdet
     _STATE.probe = probe
     config = hdet.config
