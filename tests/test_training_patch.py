@@ -596,7 +596,9 @@ def test_patched_loop_average_signal_dp4(overlay, tmp_path):
     out = torchrun(
         overlay,
         tmp_path / "ckpt",
-        ["--hdet-signal", "average", "--hdet-auto-start", "5"],
+        # At the given LR from the start (no slow start) and without the brake, like the reference
+        # run, which has auto-LR off.
+        ["--hdet-signal", "average", "--hdet-auto-start", "5", "--hdet-start-scale", "1", "--no-hdet-brake"],
         [],
         tmp_path / "run.log",
         records=tmp_path / "rec",
