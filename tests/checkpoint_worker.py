@@ -302,7 +302,7 @@ def rules(rank, world_size, root):
         "velocity": job.scheduler.controller.velocities(),
     }
     out["checkpoint_config"] = [
-        ckpt.checkpoint_hdet_config(os.path.join(root, "hdet", fmt)) == job.config
+        ckpt.checkpoint_hdet_config(os.path.join(root, "hdet", fmt)) == job.scheduler.hdet_config  # resolved
         for fmt in ("torch", "torch_dist")
     ]
     job.close()

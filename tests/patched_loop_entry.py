@@ -117,7 +117,7 @@ def end_window(self, forced):
     RECORD["params_at_end"][str(self.iteration)] = _digest_tensors(params)
     metrics = _end_window(self, forced)
     row = dataclasses.asdict(metrics)
-    for key in ("converge_seconds", "converge_bytes", "grad_bytes_per_step"):
+    for key in ("converge_seconds", "probe_seconds", "converge_bytes", "grad_bytes_per_step"):
         row.pop(key)
     RECORD["windows"].append(row)
     return metrics
