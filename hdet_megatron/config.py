@@ -9,7 +9,6 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Optional, Union
 
 #: Signals that evaluate the window's update line (every replica, its own unseen batch).
 LINE_SIGNALS = ("line", "average")
@@ -143,8 +142,9 @@ class HDETConfig:
     """Clamp ``[c_min, c_max]`` of every multiplicative axis' learned scale."""
     rule: str = "auto"
     """``auto`` (``newton`` with a line signal, else ``relative``), ``relative`` (our
-    dimensionless update ``c <- c (1 + lambda v)``), ``paper`` (the paper's absolute update, with the decay taken from the base schedule) or ``newton`` (fit a
-    quadratic to the arms' losses over their values and step towards its minimum:
+    dimensionless update ``c <- c (1 + lambda v)``), ``paper`` (the paper's absolute update,
+    with the decay taken from the base schedule) or ``newton`` (fit a quadratic to the arms'
+    losses over their values and step towards its minimum:
     ``v <- beta v + (1-beta) log(rho*/rho_mean)``, ``c <- c exp(lambda v)``, with ``rho*`` at most
     a factor 2 from the arms' centre per window; needs >= 3 arms)."""
     seed: int = 0
@@ -501,4 +501,5 @@ def _is_number(text: str) -> bool:
 
 
 def axes_from_strings(items: Sequence[str]) -> tuple[Axis, ...]:
+    """:func:`parse_axis` over each of ``items``."""
     return tuple(parse_axis(item) for item in items)

@@ -52,7 +52,7 @@ import math
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hdet_megatron.config import LINE_SIGNALS, HDETConfig
 from hdet_megatron.line_signal import LineFit, fit_quadratic, jackknife_fits
@@ -173,7 +173,7 @@ def softmax_weights(
     best = min(losses[r] for r in finite)
     exps = [math.exp((best - losses[r]) / sigma) for r in finite]
     total = math.fsum(exps)
-    for r, e in zip(finite, exps):
+    for r, e in zip(finite, exps, strict=True):
         weights[r] = e / total
     return weights, excluded, sigma
 
@@ -273,7 +273,7 @@ class AutoController:
             )
         self.config = config
         self.num_arms = num_arms
-        self._axes = {axis.name: axis for axis in config.axes}
+        self._axes = {axis.name: axis for axis in config.resolved_axes}
         self._scale: dict[str, float] = {name: self._initial(axis) for name, axis in self._axes.items()}
         self._velocity: dict[str, float] = {name: 0.0 for name in self._axes}
         self.num_updates = 0
@@ -296,7 +296,9 @@ class AutoController:
     def _initial(self, axis) -> float:
         if axis.additive:
             return 0.0
-        return self._clamp(self.config.start_scale) if _is_lr(axis) else 1.0
+        start = self.config.start_scale
+        assert start is not None  # resolve() filled it
+        return self._clamp(start) if _is_lr(axis) else 1.0
 
     # -- accessors ---------------------------------------------------------------------------
     @property
@@ -383,6 +385,9 @@ class AutoController:
             else []
         )
 
+        # resolve() (in __init__) filled both.
+        assert cfg.meta_lr is not None and cfg.momentum is not None
+        meta_lr, momentum = cfg.meta_lr, cfg.momentum
         deltas: dict[str, float] = {}
         raw_deltas: dict[str, float] = {}
         confidence: dict[str, float] = {}
@@ -394,7 +399,7 @@ class AutoController:
             c = self._scale[name]
             base = bases.get(name)
             paper_units = cfg.rule == "paper" and not axis.additive and base is not None
-            if paper_units:
+            if paper_units and base is not None:  # (paper_units implies a base)
                 # Absolute units: h_r = base * c * rho_r.
                 values = [base * c * x for x in values]
             if uniform:
@@ -406,7 +411,7 @@ class AutoController:
                 center = math.fsum(values) / len(values)
                 # sum_r w_r (x_r - mean): for the linear spread x_r - 1 is exact, so a neutral
                 # controller gives exactly 0.
-                delta = math.fsum(w * (x - center) for w, x in zip(weights, values))
+                delta = math.fsum(w * (x - center) for w, x in zip(weights, values, strict=True))
             raw_deltas[name] = delta
             if name == "lr" and jackknife and not uniform:
                 # Leave-one-replica-out steps; se^2 = (n-1)/n sum (d_i - mean)^2 (jackknife).
@@ -424,22 +429,22 @@ class AutoController:
                 new_velocity[name] = 0.0
                 new_scale[name] = self._clamp(c * cfg.brake_factor)
                 continue
-            v = cfg.momentum * self._velocity[name] + (1.0 - cfg.momentum) * delta
+            v = momentum * self._velocity[name] + (1.0 - momentum) * delta
             if self.hold and _is_lr(axis) and v > 0:
                 v = 0.0  # held after a brake: no rise yet
             new_velocity[name] = v
             if axis.additive:
-                new_scale[name] = self._bound_shift(axis, c + cfg.meta_lr * v, base)
+                new_scale[name] = self._bound_shift(axis, c + meta_lr * v, base)
             elif cfg.rule == "newton":
-                new_scale[name] = self._clamp(c * math.exp(cfg.meta_lr * v))
+                new_scale[name] = self._clamp(c * math.exp(meta_lr * v))
             elif cfg.rule == "paper":
                 if base is None or base == 0.0:
                     # No base value to convert back (e.g. an LR of exactly 0): keep c.
                     new_scale[name] = c
                 else:
-                    new_scale[name] = self._clamp((base * c + cfg.meta_lr * v) / base)
+                    new_scale[name] = self._clamp((base * c + meta_lr * v) / base)
             else:
-                new_scale[name] = self._clamp(c * (1.0 + cfg.meta_lr * v))
+                new_scale[name] = self._clamp(c * (1.0 + meta_lr * v))
 
         update = ControllerUpdate(
             window=self.window,

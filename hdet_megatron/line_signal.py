@@ -103,8 +103,8 @@ def fit_quadratic(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, floa
     s3 = math.fsum(v**3 for v in u)
     s4 = math.fsum(v**4 for v in u)
     t0 = math.fsum(ys)
-    t1 = math.fsum(v * y for v, y in zip(u, ys))
-    t2 = math.fsum(v * v * y for v, y in zip(u, ys))
+    t1 = math.fsum(v * y for v, y in zip(u, ys, strict=True))
+    t2 = math.fsum(v * v * y for v, y in zip(u, ys, strict=True))
     m = [[n, s1, s2], [s1, s2, s3], [s2, s3, s4]]
     rhs = [t0, t1, t2]
 
@@ -152,8 +152,8 @@ def fit_line(
         raise ValueError(f"{len(points)} line points but {len(losses)} losses")
     if not 0.0 <= kappa <= 1.0:
         raise ValueError(f"kappa={kappa!r} must be in [0, 1]")
-    finite = [(p, v) for p, v in zip(points, losses) if math.isfinite(v)]
-    own = {p: v for p, v in zip(points, losses)}
+    finite = [(p, v) for p, v in zip(points, losses, strict=True) if math.isfinite(v)]
+    own = {p: v for p, v in zip(points, losses, strict=True)}
     bad = [not math.isfinite(own.get(float(m), math.nan)) for m in arm_multipliers]
     if len(finite) < 3:
         level = min((v for _, v in finite), default=0.0)
@@ -163,7 +163,7 @@ def fit_line(
     # g0 is the slope at x = 0, i.e. s = 1.
     corrected = g0 - (1.0 - kappa) * max(q, 0.0) / 2.0
     pseudo = []
-    for m, b in zip(arm_multipliers, bad):
+    for m, b in zip(arm_multipliers, bad, strict=True):
         x = float(m) - 1.0
         pseudo.append(math.inf if b else a + corrected * x + 0.5 * q * x * x)
     return LineFit(points, losses, g0, q, kappa, corrected, pseudo, rows)
@@ -185,6 +185,6 @@ def jackknife_fits(line: LineFit, arm_multipliers: Sequence[float]) -> list[Line
     fits = []
     for leave in range(groups):
         rows = [row for i, row in enumerate(line.replicas) if i * groups // n != leave]
-        means = [math.fsum(col) / len(rows) for col in zip(*rows)]
+        means = [math.fsum(col) / len(rows) for col in zip(*rows, strict=True)]
         fits.append(fit_line(line.points, means, arm_multipliers, line.persistence))
     return fits

@@ -47,7 +47,6 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 
@@ -178,10 +177,9 @@ class SimResult:
 def _check_run(config: HDETConfig, arms, replicas_per_arm, steps, **positive: float) -> None:
     """The arguments both simulators share: one ``lr`` axis, integer counts >= 1, and the named
     LR argument a finite number > 0."""
-    if [a.name for a in config.axes] != ["lr"]:
-        raise ValueError(
-            f"the simulator models exactly one axis, 'lr'; config has {[a.name for a in config.axes]}"
-        )
+    names = [a.name for a in config.resolved_axes]
+    if names != ["lr"]:
+        raise ValueError(f"the simulator models exactly one axis, 'lr'; config has {names}")
     for name, value in (("arms", arms), ("replicas_per_arm", replicas_per_arm), ("steps", steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
