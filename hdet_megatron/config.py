@@ -9,6 +9,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 #: Signals that evaluate the window's update line (every replica, its own unseen batch).
 LINE_SIGNALS = ("line", "average")
@@ -217,7 +218,7 @@ class HDETConfig:
         self.validate()
 
     def validate(self) -> None:
-        def bad(name: str, value, why: str) -> HDETConfigError:
+        def bad(name: str, value: object, why: str) -> HDETConfigError:
             return HDETConfigError(f"HDETConfig.{name}={value!r}: {why}")
 
         if isinstance(self.period, bool) or not isinstance(self.period, int) or self.period < 1:
@@ -391,10 +392,10 @@ class HDETConfig:
             )
         return Resolution(config, "HDET auto-LR defaults: " + "; ".join(chosen) if chosen else "")
 
-    def replace(self, **changes) -> HDETConfig:
+    def replace(self, **changes: Any) -> HDETConfig:
         return replace(self, **changes)
 
-    def fingerprint(self) -> dict:
+    def fingerprint(self) -> dict[str, Any]:
         """Plain-data view (for checkpoints and logs)."""
         out = {}
         for f in fields(self):
@@ -412,7 +413,7 @@ class HDETConfig:
         return out
 
     @classmethod
-    def from_fingerprint(cls, data: dict) -> HDETConfig:
+    def from_fingerprint(cls, data: dict[str, Any]) -> HDETConfig:
         data = dict(data)
         # Checkpoints written before slow start, the brake and noise-aware steps existed ran
         # without them: a resume keeps that behaviour.

@@ -54,7 +54,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hdet_megatron.config import LINE_SIGNALS, HDETConfig
+from hdet_megatron.config import LINE_SIGNALS, Axis, HDETConfig
 from hdet_megatron.line_signal import LineFit, fit_quadratic, jackknife_fits
 
 __all__ = [
@@ -131,7 +131,7 @@ class ControllerUpdate:
     hold: int = 0
     """Windows left after this update in which the LR scales may not rise."""
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-ready view (NaN/inf losses become strings ``"nan"``/``"inf"``/``"-inf"``)."""
         out = asdict(self)
         out["arm_losses"] = [x if math.isfinite(x) else repr(x) for x in self.arm_losses]
@@ -210,7 +210,7 @@ def _newton_delta_of(values: Sequence[float], losses: Sequence[float], additive:
     )
 
 
-def _is_lr(axis) -> bool:
+def _is_lr(axis: Axis) -> bool:
     """A learning-rate axis (``lr`` or ``lr:<group>``): slow start and the brake act on these."""
     return axis.name == "lr" or axis.group is not None
 
@@ -293,7 +293,7 @@ class AutoController:
         """The previous window's mean training loss of the lower and the upper half of the arms
         by LR multiplier (the brake's rise test)."""
 
-    def _initial(self, axis) -> float:
+    def _initial(self, axis: Axis) -> float:
         if axis.additive:
             return 0.0
         start = self.config.start_scale
@@ -577,7 +577,7 @@ class AutoController:
                 self._scale[name] = self._clamp(self._scale[name] * factor)
             self._velocity[name] = 0.0
 
-    def _bound_shift(self, axis, shift: float, base: float | None) -> float:
+    def _bound_shift(self, axis: Axis, shift: float, base: float | None) -> float:
         # Keep the centre base + shift inside the axis bounds, so the shift cannot wind up
         # (e.g. training loss always prefers less dropout) far past where arms are clipped.
         if base is None:
@@ -635,7 +635,7 @@ class AutoController:
         return bases
 
     # -- checkpointing -----------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Plain-data state (ints, floats, strings, lists, dicts) for checkpoints."""
         return {
             "version": STATE_VERSION,

@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 __all__ = ["LineFit", "line_points", "fit_line", "fit_quadratic", "persistence", "jackknife_fits"]
 
@@ -67,7 +68,7 @@ class LineFit:
     """Each replica's own loss at every point (rows of healthy replicas; :attr:`losses` is their
     mean): their spread is the fit's noise (:func:`jackknife_fits`)."""
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         del out["replicas"]  # per-replica rows stay out of the logs (one row per DP replica)
         out["pseudo_losses"] = [x if math.isfinite(x) else repr(x) for x in self.pseudo_losses]
@@ -108,7 +109,7 @@ def fit_quadratic(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, floa
     m = [[n, s1, s2], [s1, s2, s3], [s2, s3, s4]]
     rhs = [t0, t1, t2]
 
-    def det(a):
+    def det(a: list[list[float]]) -> float:
         return (
             a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1])
             - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])

@@ -174,7 +174,7 @@ class SimResult:
         return float(np.mean(tail))
 
 
-def _check_run(config: HDETConfig, arms, replicas_per_arm, steps, **positive: float) -> None:
+def _check_run(config: HDETConfig, arms: int, replicas_per_arm: int, steps: int, **positive: float) -> None:
     """The arguments both simulators share: one ``lr`` axis, integer counts >= 1, and the named
     LR argument a finite number > 0."""
     names = [a.name for a in config.resolved_axes]
@@ -183,9 +183,9 @@ def _check_run(config: HDETConfig, arms, replicas_per_arm, steps, **positive: fl
     for name, value in (("arms", arms), ("replicas_per_arm", replicas_per_arm), ("steps", steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
-    for name, value in positive.items():
-        if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"{name}={value!r} must be a finite number > 0")
+    for name, number in positive.items():
+        if not math.isfinite(number) or number <= 0:
+            raise ValueError(f"{name}={number!r} must be a finite number > 0")
 
 
 def simulate(
@@ -316,7 +316,8 @@ def sweep_lr(
             if t >= burn_in:
                 total += 0.5 * ((error * error) @ h)
             error = error - lr * (h * error + noise[t]) + drift[t]
-    return (total / (steps - burn_in)).tolist()
+    losses: list[float] = (total / (steps - burn_in)).tolist()
+    return losses
 
 
 # --- the budget NQM: a fixed training budget under a decaying LR schedule ---------------------
@@ -391,7 +392,9 @@ class BudgetNQM:
         return np.where(t < warm, peak_lr * (t + 1) / warm, lr)
 
 
-def _final_losses(problem: BudgetNQM, lrs, scales: np.ndarray, replicas: int) -> np.ndarray:
+def _final_losses(
+    problem: BudgetNQM, lrs: Sequence[float] | np.ndarray, scales: np.ndarray, replicas: int
+) -> np.ndarray:
     """Exact expected final loss of plain data-parallel SGD with the per-step LRs ``lrs * scale``
     for every ``scale`` in ``scales`` at once (the second moment of each coordinate obeys a
     scalar linear recursion); ``inf`` where it blows up."""
