@@ -225,6 +225,15 @@ def _extrapolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     return mean_y + slope * (x - mean_x)
 
 
+def _halves(train: Sequence[float], order: Sequence[int]) -> tuple[float, float]:
+    """Mean training loss of the lower and the upper half of ``order`` (>= 2 arms, by LR)."""
+    half = len(order) // 2
+    return (
+        math.fsum(train[r] for r in order[:half]) / half,
+        math.fsum(train[r] for r in order[half:]) / (len(order) - half),
+    )
+
+
 def _median(values: Sequence[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
@@ -274,6 +283,8 @@ class AutoController:
         self.config = config
         self.num_arms = num_arms
         self._axes = {axis.name: axis for axis in config.resolved_axes}
+        self._lr_axis = next((name for name, axis in self._axes.items() if _is_lr(axis)), None)
+        """The first LR axis: its multipliers order the arms for the brake (None: no LR axis)."""
         self._scale: dict[str, float] = {name: self._initial(axis) for name, axis in self._axes.items()}
         self._velocity: dict[str, float] = {name: 0.0 for name in self._axes}
         self.num_updates = 0
@@ -398,8 +409,7 @@ class AutoController:
             values = spreads[name]
             c = self._scale[name]
             base = bases.get(name)
-            paper_units = cfg.rule == "paper" and not axis.additive and base is not None
-            if paper_units and base is not None:  # (paper_units implies a base)
+            if cfg.rule == "paper" and not axis.additive and base is not None:
                 # Absolute units: h_r = base * c * rho_r.
                 values = [base * c * x for x in values]
             if uniform:
@@ -492,18 +502,19 @@ class AutoController:
         if not finite:
             return
         self.last_mean_loss = math.fsum(train[r] for r in finite) / len(finite)
-        lr_axes = [name for name, axis in self._axes.items() if _is_lr(axis)]
-        if lr_axes and len(finite) >= 2:
-            rho = spreads[lr_axes[0]]
-            order = sorted(finite, key=lambda r: rho[r])
-            half = len(order) // 2
-            self.last_halves = (
-                math.fsum(train[r] for r in order[:half]) / half,
-                math.fsum(train[r] for r in order[half:]) / (len(order) - half),
-            )
+        order = self._lr_order(train, spreads)
+        if len(order) >= 2:
+            self.last_halves = _halves(train, order)
             if len(order) >= 3:
                 spread = _pstdev([train[r] for r in order[:-1]])
                 self.noise = spread if self.noise is None else 0.5 * self.noise + 0.5 * spread
+
+    def _lr_order(self, train: Sequence[float], spreads: Mapping[str, Sequence[float]]) -> list[int]:
+        """The arms with a finite training loss, by their multiplier on the first LR axis."""
+        if self._lr_axis is None:
+            return []
+        rho = spreads[self._lr_axis]
+        return sorted((r for r in range(self.num_arms) if math.isfinite(train[r])), key=lambda r: rho[r])
 
     def _brake_reason(
         self,
@@ -515,16 +526,14 @@ class AutoController:
         """Why this window shows instability of the LR (None: it does not); see the module doc.
         Writes the window's spike and rise statistics into ``stats``."""
         cfg = self.config
-        lr_axes = [name for name, axis in self._axes.items() if _is_lr(axis)]
-        if not lr_axes:
+        if self._lr_axis is None:
             return None
         # The runtimes report an arm with non-finite params as an infinite loss.
         bad = [r for r in range(self.num_arms) if not math.isfinite(losses[r]) or math.isinf(train[r])]
         if bad:
             return f"arm(s) {bad} non-finite"
-        # The arms ordered by their LR multiplier on the first LR axis.
-        rho = spreads[lr_axes[0]]
-        order = [r for r in sorted(range(self.num_arms), key=lambda r: rho[r]) if math.isfinite(train[r])]
+        rho = spreads[self._lr_axis]
+        order = self._lr_order(train, spreads)
         if len(order) < 2:
             return None
         top, others = order[-1], order[:-1]
@@ -551,9 +560,7 @@ class AutoController:
             )
         # A rise: the upper half of the multipliers' loss rose against the lower half's since the
         # last window (a scale change moves both alike).
-        half = len(order) // 2
-        low = math.fsum(train[r] for r in order[:half]) / half
-        high = math.fsum(train[r] for r in order[half:]) / (len(order) - half)
+        low, high = _halves(train, order)
         last = self.last_halves
         if last is not None and last[0] > 0 and last[1] > 0 and low > 0:
             lift = high / last[1] - low / last[0]
