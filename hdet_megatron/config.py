@@ -24,6 +24,10 @@ PAPER_SPREAD = 1.0 / 9.0
 #: does lasting damage within the first windows, a too-low one only costs the windows it takes
 #: the controller to climb (BENCHMARKS.md 3c/3d).
 SLOW_START_SCALE = 0.25
+#: Windows a run needs for the slow start to pay off: the climb from a quarter of the guess moves
+#: at most 2x per window, damped by momentum. Measured: 12 windows were enough (8x batch, guess
+#: best/4 ended 1.5% below the best sweep point), 6 were not (+9.5%, BENCHMARKS.md 3d).
+MIN_CLIMB_WINDOWS = 10
 
 #: Axes whose spread is additive (the value can be 0); all others are multiplicative.
 ADDITIVE_AXES = frozenset({"dropout"})
@@ -435,6 +439,23 @@ class Resolution:
     """The config with every ``"auto"``/None field filled in."""
     note: str
     """One line naming the defaults chosen and why (empty when nothing was left to choose)."""
+
+
+def short_run_caution(config: HDETConfig, total_iterations: int) -> str:
+    """One line for the run's log when a slow start has too few windows to climb back to the
+    given LR (empty otherwise); ``config`` is resolved, ``total_iterations`` the run's length."""
+    start = config.start_scale
+    if not config.auto or start is None or start >= 1 or total_iterations <= 0:
+        return ""
+    windows = (total_iterations - config.auto_start) // config.period
+    if windows >= MIN_CLIMB_WINDOWS:
+        return ""
+    period = max(1, (total_iterations - config.auto_start) // MIN_CLIMB_WINDOWS)
+    return (
+        f"HDET auto-LR: this run has only {max(windows, 0)} windows of {config.period} iterations and "
+        f"starts at {start:g}x the given LR; the climb back needs about {MIN_CLIMB_WINDOWS}: use a "
+        f"period of {period} or less, or start_scale 1 (--hdet-start-scale 1) if the LR is not too high"
+    )
 
 
 def _number(value: object) -> bool:

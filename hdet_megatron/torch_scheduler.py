@@ -35,6 +35,7 @@ With ``hdet=None`` (or one rank, spread 0 and the controller off) it is exactly 
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -45,7 +46,7 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import OneCycleLR
 
 from hdet_megatron.averaging import AverageStats, BucketedAverager
-from hdet_megatron.config import LINE_SIGNALS, HDETConfig
+from hdet_megatron.config import LINE_SIGNALS, HDETConfig, short_run_caution
 from hdet_megatron.controller import AllArmsNonFinite, AutoController, ControllerUpdate
 from hdet_megatron.fsdp import FSDPRuntime, is_fsdp2_setup
 from hdet_megatron.line_search import start_probe_window
@@ -53,6 +54,8 @@ from hdet_megatron.line_signal import LineFit, fit_line, line_points, persistenc
 from hdet_megatron.schedule import ANNEAL_STRATEGIES, phase_at
 from hdet_megatron.torch_runtime import _Runtime
 from hdet_megatron.window_losses import WindowLosses
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["HDETOneCycleLR", "MissingLoss"]
 
@@ -156,6 +159,10 @@ class HDETOneCycleLR(OneCycleLR):
             three_phase=three_phase,
             last_epoch=last_epoch,
         )
+        if self._hdet is not None and last_epoch == -1:
+            caution = short_run_caution(self._hdet.config, self.total_steps)
+            if caution:
+                logger.warning("%s", caution)
 
     # ------------------------------------------------------------------ schedule
     def _anneal(self):

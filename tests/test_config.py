@@ -13,6 +13,7 @@ from hdet_megatron.config import (
     HDETConfigError,
     axes_from_strings,
     parse_axis,
+    short_run_caution,
 )
 
 
@@ -49,6 +50,23 @@ def test_defaults_resolve_to_the_measured_defaults():
     assert c.resolve(False, 4).config is c and c.resolve(False, 4).note == ""
     # Auto off: the scale stays at the user's LR (no slow start without a controller).
     assert HDETConfig(auto=False).resolve(True, 4).config.start_scale == 1.0
+
+
+def test_short_runs_are_told_the_slow_start_needs_windows():
+    slow = HDETConfig(period=20).resolve(probe_available=True, num_arms=4).config
+    # 125 iterations = 6 windows (BENCHMARKS.md 3d: the climb from best/16 did not make it).
+    note = short_run_caution(slow, 125)
+    assert "only 6 windows of 20" in note and "period of 12 or less" in note and "start-scale 1" in note
+    assert short_run_caution(slow, 200) == ""  # 10 windows: enough
+    assert short_run_caution(slow, 199) != ""
+    # auto_start iterations are not windows the controller can climb in.
+    assert short_run_caution(slow.replace(auto_start=40), 220) != ""
+    assert short_run_caution(slow, 0) == ""  # length unknown
+    # No slow start, or no controller: nothing to climb.
+    assert short_run_caution(slow.replace(start_scale=1.0), 60) == ""
+    assert short_run_caution(slow.replace(auto=False), 60) == ""
+    paper = HDETConfig(period=20).resolve(probe_available=False, num_arms=4).config
+    assert short_run_caution(paper, 60) == ""
 
 
 def test_line_signals_refuse_lr_bounds():

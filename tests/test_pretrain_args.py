@@ -64,6 +64,11 @@ def test_defaults_and_derived_values(pg, data):
     assert args.hdet_num_arms == 2
     args, hdet = parse(pg, ["--mock-data", "--no-hdet"])
     assert hdet is None and args.hdet_num_arms == 1 and args.global_batch_size == 4 * 4
+    # 4 arms: the slow start; 100 iterations are 5 windows of 20, too few to climb (one line says so).
+    args, hdet = parse(pg, ["--data-path", data, "--train-iters", "100", "--hdet-period", "20"])
+    assert hdet.start_scale == 0.25 and "only 5 windows of 20" in args.hdet_short_run_note
+    args, hdet = parse(pg, ["--data-path", data, "--train-iters", "400", "--hdet-period", "20"])
+    assert args.hdet_short_run_note == ""
 
 
 def test_hdet_flags_cover_every_config_field(pg, data):

@@ -188,6 +188,20 @@ def test_last_epoch_resume_like_torch(hdet):
         opt.step(), ours.step()
 
 
+def test_short_run_with_a_slow_start_logs_one_caution(caplog):
+    with caplog.at_level("WARNING", logger="hdet_megatron.torch_scheduler"):
+        HDETOneCycleLR(
+            toy_optimizer("sgd", 1), 0.1, total_steps=100, hdet=HDETConfig(period=20, start_scale=0.25)
+        )
+    assert [r.getMessage() for r in caplog.records if "only 5 windows of 20" in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hdet_megatron.torch_scheduler"):
+        HDETOneCycleLR(
+            toy_optimizer("sgd", 1), 0.1, total_steps=200, hdet=HDETConfig(period=20, start_scale=0.25)
+        )
+    assert not [r for r in caplog.records if "windows of" in r.getMessage()]
+
+
 def test_state_dict_hdet_superset_and_plain_checkpoint_loads():
     cfg = HDETConfig(period=4, axes=(Axis("lr", 0.2),))
     opt = toy_optimizer("adam", 1)

@@ -10,7 +10,7 @@ import os
 import sys
 
 from hdet_megatron.args import add_hdet_args, hdet_config_from_args
-from hdet_megatron.config import HDETConfigError
+from hdet_megatron.config import HDETConfigError, short_run_caution
 
 PROG = "pretrain_gpt.py"
 DESCRIPTION = "GPT pretraining on Megatron-Core with HDET (Hyperparameter-Divergent Ensemble Training)."
@@ -484,6 +484,7 @@ def validate_args(args, argv: list[str], world_size: int):
         # the probe defaults (HDETConfig.resolve); the header prints what was chosen.
         resolution = hdet.resolve(probe_available=True, num_arms=arms)
         hdet, args.hdet_defaults_note = resolution.config, resolution.note
+        args.hdet_short_run_note = short_run_caution(hdet, args.train_iters)
         if args.eval_iters and args.eval_interval % hdet.period:
             print(
                 f"{PROG}: note: --eval-interval {args.eval_interval} is not a multiple of "

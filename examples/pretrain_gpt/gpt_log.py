@@ -62,6 +62,8 @@ class RunLog:
             )
             if getattr(args, "hdet_defaults_note", ""):
                 say(args.hdet_defaults_note)
+            if getattr(args, "hdet_short_run_note", ""):
+                say(args.hdet_short_run_note)
         else:
             say("HDET off (--no-hdet): plain Megatron data-parallel training")
         say(

@@ -44,7 +44,7 @@ import os
 from typing import Any
 
 from hdet_megatron.args import add_hdet_args, hdet_config_from_args
-from hdet_megatron.config import HDETConfig, HDETConfigError
+from hdet_megatron.config import HDETConfig, HDETConfigError, short_run_caution
 
 logger = logging.getLogger(__name__)
 
@@ -194,14 +194,15 @@ def on_setup(model, optimizer, opt_param_scheduler) -> None:
     # the next training batches through Megatron's forward_backward_func, bound by train_step.
     probe = TrainingLoopProbe(getattr(opt_param_scheduler.hdet_config, "signal", "train"))
     hdet = HDET(opt_param_scheduler.hdet_config, model, optimizer, opt_param_scheduler, probe_fn=probe)  # type: ignore[arg-type]
-    # HDET resolved the "auto" fields knowing it has a probe (HDETConfig.resolve): the signal the
-    # probe serves is the resolved one.
-    probe.signal = hdet.config.signal
     _STATE.runtime = hdet
     _STATE.probe = probe
     config = hdet.config
-    # The signal the run uses: HDET may resolve an automatic choice once it knows of the probe.
+    # HDET resolved the "auto" fields knowing it has a probe (HDETConfig.resolve): the signal the
+    # probe serves is the resolved one.
     probe.signal = config.signal
+    caution = short_run_caution(config, getattr(_args(), "train_iters", None) or 0)
+    if caution:
+        _print0(caution)
     layout = hdet.layout
     axes = ", ".join(f"{a.name}:{a.spread:g}" for a in config.resolved_axes)
     _print0(
