@@ -28,6 +28,8 @@ __all__ = [
     "REPORT_PNG_KEY",
     "demo_run_files",
     "clear_demo_run",
+    "checkpoint_files",
+    "remove_files",
     "is_hdet_report_png",
     "check_report_output",
 ]
@@ -48,10 +50,13 @@ _TOP_FILES = re.compile(
     rf"^(?:{re.escape(DEMO_MARKER)}|metrics\.jsonl|report\.png|{re.escape(TRACKER)}(?:\.tmp\d+)?)$"
 )
 _ITER_DIR = re.compile(r"^iter_\d{7}$")
-#: Inside ``iter_XXXXXXX``: dist_checkpointing (torch_dist) and legacy (torch) checkpoint files.
-_CKPT_FILES = re.compile(r"^(?:metadata\.json|\.metadata|common\.pt|__\d+_\d+\.distcp)$")
-_LEGACY_RANK_DIR = re.compile(r"^mp_rank_\d{2}(?:_\d{3})?$")
-_LEGACY_FILES = re.compile(r"^(?:model_optim_rng|distrib_optim)\.pt$")
+#: Inside ``iter_XXXXXXX``: dist_checkpointing (torch_dist) files, and what a save killed midway
+#: leaves (torch's FileSystemWriter writes ``.metadata.tmp`` / ``__R.metadata.tmp`` and renames it).
+_CKPT_FILES = re.compile(r"^(?:metadata\.json|common\.pt|__\d+_\d+\.distcp|(?:__\d+)?\.metadata(?:\.tmp)?)$")
+#: Legacy (torch) checkpoints: one directory per TP/PP(/EP) rank; ``.tmp`` is a file being written
+#: (hdet_megatron.megatron.ckpt.legacy renames it when complete).
+_LEGACY_RANK_DIR = re.compile(r"^mp_rank_\d{2}(?:_\d{3}){0,2}$")
+_LEGACY_FILES = re.compile(r"^(?:model_optim_rng|distrib_optim(?:_dp\d{3})?)\.pt(?:\.tmp)?$")
 _TB_FILES = re.compile(r"^events\.out\.tfevents\..+$")
 
 
@@ -60,14 +65,15 @@ def _entries(path: str) -> list[os.DirEntry]:
         return sorted(it, key=lambda e: e.name)
 
 
-def _run_files(run_dir: str) -> tuple[list[str], list[str], str | None]:
-    """(files, directories) of ``run_dir`` that a run wrote, deepest first, and the first entry
-    it did not write (None when there is none). Symbolic links are never a run's."""
+def _walk(path: str, rules: tuple) -> tuple[list[str], list[str], str | None]:
+    """(files, directories) under ``path`` that ``rules`` accept, deepest first, and the first
+    entry they do not (None when there is none). ``rules`` = (file pattern, ((directory pattern,
+    rules inside it), ...)). Symbolic links are never accepted (nothing is removed through one)."""
     files: list[str] = []
     dirs: list[str] = []
 
-    def walk(path: str, file_ok, dir_rules) -> str | None:
-        for entry in _entries(path):
+    def walk(where: str, file_ok: re.Pattern, dir_rules: tuple) -> str | None:
+        for entry in _entries(where):
             if entry.is_symlink():
                 return entry.path
             if entry.is_dir():
@@ -79,25 +85,74 @@ def _run_files(run_dir: str) -> tuple[list[str], list[str], str | None]:
                     return found
                 dirs.append(entry.path)
             elif entry.is_file() and file_ok.match(entry.name):
-                if path == run_dir and entry.name == "report.png" and not is_hdet_report_png(entry.path):
+                if where == path and entry.name == "report.png" and not is_hdet_report_png(entry.path):
                     return entry.path  # a plot of someone else's under the report's name
                 files.append(entry.path)
             else:
                 return entry.path
         return None
 
-    legacy_rank = (_LEGACY_FILES, ())
-    iteration = (_CKPT_FILES, ((_LEGACY_RANK_DIR, legacy_rank),))
-    tensorboard = (_TB_FILES, ())
-    top = (_TOP_FILES, ((_ITER_DIR, iteration), (re.compile(r"^tensorboard$"), tensorboard)))
-    found = walk(run_dir, *top)
+    found = walk(path, *rules)
     return files, dirs, found
+
+
+_LEGACY_RANK = (_LEGACY_FILES, ())
+_ITERATION = (_CKPT_FILES, ((_LEGACY_RANK_DIR, _LEGACY_RANK),))
+_RUN = (_TOP_FILES, ((_ITER_DIR, _ITERATION), (re.compile(r"^tensorboard$"), (_TB_FILES, ()))))
+
+
+def _run_files(run_dir: str) -> tuple[list[str], list[str], str | None]:
+    """(files, directories) of ``run_dir`` that a run wrote, deepest first, and the first entry
+    it did not write (None when there is none)."""
+    return _walk(run_dir, _RUN)
+
+
+def checkpoint_files(ckpt_dir: str) -> tuple[list[str], list[str], str | None]:
+    """(files, directories) in one ``iter_XXXXXXX`` directory that a checkpoint save writes
+    (torch_dist or legacy, complete or cut short), deepest first, and the first entry no save
+    writes (None when there is none): what may be removed to save that iteration again."""
+    return _walk(ckpt_dir, _ITERATION)
+
+
+def remove_files(files: Sequence[str], dirs: Sequence[str]) -> None:
+    """Remove ``files``, then the directories ``dirs`` (deepest first; ``os.rmdir`` refuses one
+    that is not empty, so nothing unlisted goes with them)."""
+    for path in files:
+        os.remove(path)
+    for path in dirs:
+        os.rmdir(path)
+
+
+def _shared_dir(run_dir: str) -> str | None:
+    """What ``run_dir`` is when it holds more than a run: the root directory, the home directory
+    or one above it, the current directory (the demo runs in its checkout) or one above it."""
+    real = os.path.realpath(run_dir)
+    if real == os.path.realpath(os.sep):
+        return "the root directory"
+    home = os.path.realpath(os.path.expanduser("~"))
+    if real == home:
+        return "your home directory"
+    cwd = os.path.realpath(os.getcwd())
+    if real == cwd:
+        return f"the current directory ({cwd})"
+    if cwd.startswith(real.rstrip(os.sep) + os.sep):
+        return f"a parent of the current directory ({cwd})"
+    if home.startswith(real.rstrip(os.sep) + os.sep):
+        return "a parent of your home directory"
+    return None
 
 
 def demo_run_files(run_dir: str) -> tuple[list[str], list[str]]:
     """The files and directories a previous demo run left in ``run_dir`` (empty lists when it is
-    missing or empty). Raises :class:`InputError` when ``run_dir`` is not clearable: not a
-    directory, without the demo's marker, or holding anything a run did not write."""
+    missing or empty). Raises :class:`InputError` when ``run_dir`` is not clearable: the root, home
+    or current directory (or one above them; even when empty), not a directory, without the
+    demo's marker, or holding anything a run did not write."""
+    shared = _shared_dir(run_dir)
+    if shared is not None:
+        raise InputError(
+            f"RUN_DIR={run_dir} is {shared}; the demo clears its RUN_DIR before training, so it "
+            "takes a directory of its own: give one (e.g. RUN_DIR=runs/demo)"
+        )
     if not os.path.lexists(run_dir):
         return [], []
     if os.path.islink(run_dir) or not os.path.isdir(run_dir):
@@ -127,10 +182,7 @@ def clear_demo_run(run_dir: str) -> int:
     recognised, then their directories), create ``run_dir`` if needed and mark it as the demo's.
     Returns the number of files removed. Raises :class:`InputError` when it is not clearable."""
     files, dirs = demo_run_files(run_dir)
-    for path in files:
-        os.remove(path)
-    for path in dirs:  # deepest first; rmdir refuses a directory that is not empty
-        os.rmdir(path)
+    remove_files(files, dirs)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, DEMO_MARKER), "w") as fh:
         fh.write(_MARKER_TEXT)

@@ -110,6 +110,35 @@ def test_anything_else_is_refused_and_survives(tmp_path, stranger):
     assert _tree(run) == before  # nothing removed, nothing written
 
 
+def test_root_home_and_current_directory_are_refused_even_empty(tmp_path, monkeypatch):
+    """RUN_DIR=/, =$HOME, =. and any directory above them hold more than a run: refused by name,
+    even when empty or marked (a marker file there proves nothing), and nothing is written."""
+    home, work = tmp_path / "users" / "me", tmp_path / "src" / "checkout"
+    home.mkdir(parents=True)
+    work.mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    (work / run_dirs.DEMO_MARKER).write_text("demo\n")
+    for run_dir, what in (
+        ("/", "the root directory"),
+        (str(home), "your home directory"),
+        (".", f"the current directory ({work})"),
+        (str(work) + "/", f"the current directory ({work})"),
+        ("..", f"a parent of the current directory ({work})"),
+        (str(tmp_path / "src"), f"a parent of the current directory ({work})"),
+        (str(tmp_path / "users"), "a parent of your home directory"),
+    ):
+        with pytest.raises(InputError) as info:
+            run_dirs.clear_demo_run(run_dir)
+        assert str(info.value) == (
+            f"RUN_DIR={run_dir} is {what}; the demo clears its RUN_DIR before training, so it takes "
+            "a directory of its own: give one (e.g. RUN_DIR=runs/demo)"
+        )
+    assert os.listdir(home) == [] and os.listdir(work) == [run_dirs.DEMO_MARKER]
+    assert run_dirs.clear_demo_run("runs/demo") == 0  # below the current directory: fine
+    assert os.listdir(work / "runs" / "demo") == [run_dirs.DEMO_MARKER]
+
+
 def test_run_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "f").write_text("mine")
     with pytest.raises(InputError, match="is not a directory"):
@@ -172,6 +201,40 @@ def test_demo_keeps_a_strangers_directory(fake_venv, tmp_path):
     assert not (tmp_path / "torchrun.args").exists()
 
 
+def test_demo_refuses_the_checkout_and_home(fake_venv, tmp_path):
+    """RUN_DIR=. (the demo runs in its checkout) and RUN_DIR=$HOME: one line, exit code 2, every
+    file there kept. The demo runs from a copy of the checkout here: nothing real is at stake."""
+    checkout = tmp_path / "checkout"
+    (checkout / "examples" / "pretrain_gpt").mkdir(parents=True)
+    demo = checkout / "examples" / "pretrain_gpt" / "demo_cpu.sh"
+    demo.write_text(DEMO.read_text())
+    (checkout / "README.md").write_text("the user's checkout")
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".bashrc").write_text("mine")
+    env = {k: v for k, v in os.environ.items() if k not in ("STEPS", "RUN_DIR")}
+    env.update(VENV=str(fake_venv), HOME=str(home), PYTHONWARNINGS="ignore")
+    for run_dir, what in ((".", f"the current directory ({checkout})"), (str(home), "your home directory")):
+        r = subprocess.run(
+            ["bash", str(demo), "--mock-data"],
+            env=dict(env, RUN_DIR=run_dir),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert r.stderr.strip().splitlines() == [
+            f"demo_cpu.sh: error: RUN_DIR={run_dir} is {what}; the demo clears its RUN_DIR before "
+            "training, so it takes a directory of its own: give one (e.g. RUN_DIR=runs/demo)"
+        ]
+    assert _tree(checkout) == {
+        "README.md": b"the user's checkout",
+        "examples/pretrain_gpt/demo_cpu.sh": DEMO.read_bytes(),
+    }
+    assert _tree(home) == {".bashrc": b"mine"}
+    assert not (tmp_path / "torchrun.args").exists()
+
+
 def test_demo_replaces_its_previous_run_and_scales_with_steps(fake_venv, tmp_path):
     run = previous_demo_run(tmp_path / "demo")
     r = run_demo(fake_venv, run, steps="5")
@@ -217,18 +280,22 @@ def test_demo_refuses_a_foreign_report_png(fake_venv, tmp_path):
 
 @pytest.mark.slow
 def test_demo_small_run_trains(tmp_path):
-    """`STEPS=2 make demo` trains for real (the default corpus, 4 ranks), into a directory that held
-    a previous demo run, and writes its report."""
+    """`STEPS=5 make demo` trains for real (the default corpus, 4 ranks), into a directory that held
+    a previous demo run, writes its report, and leaves a directory the next demo run may clear
+    (only files the demo knows: the run's real files checked against run_dirs' rules)."""
     run = previous_demo_run(tmp_path / "demo")
     env = {k: v for k, v in os.environ.items() if k not in ("STEPS", "RUN_DIR")}
     env.update(
-        VENV=str(Path(sys.executable).parent.parent), RUN_DIR=str(run), STEPS="2", PYTHONWARNINGS="ignore"
+        VENV=str(Path(sys.executable).parent.parent), RUN_DIR=str(run), STEPS="5", PYTHONWARNINGS="ignore"
     )
     r = subprocess.run(["bash", str(DEMO)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "done: 2 iterations" in r.stdout and "demo: finished" in r.stdout
-    assert not (run / "iter_0000007").exists() and (run / "iter_0000002").is_dir()
-    assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert "done: 5 iterations" in r.stdout and "demo: finished" in r.stdout
+    assert "5 converges" in r.stdout  # the window scaled down to 1 step
+    assert not (run / "iter_0000007").exists() and (run / "iter_0000005").is_dir()
+    assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
     assert run_dirs.is_hdet_report_png(str(run / "report.png"))
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["type"] for r in records].count("run") == 1  # only this run's records
+    files, dirs = run_dirs.demo_run_files(str(run))  # the next demo run would clear exactly these
+    assert sorted(files + dirs) == sorted(str(p) for p in run.rglob("*"))
