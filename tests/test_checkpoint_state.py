@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 
 import pytest
 import torch
@@ -223,3 +224,42 @@ def test_changed_axes_need_override():
     s.load_state_dict(state)
     assert s.controller.scale("lr") == trained().controller.scale("lr")
     assert s.controller.scale("weight_decay") == 1.0
+
+
+def test_saving_over_an_untracked_iteration_removes_only_checkpoint_files(tmp_path):
+    """Before saving iteration N, an ``iter_N`` the tracker does not name (a save cut short) is
+    removed, but only the files a save writes; anything else there stops the save before any file
+    is removed (issue 27)."""
+    root = tmp_path / "run"
+    it = root / "iter_0000008"
+    (it / "mp_rank_00_001").mkdir(parents=True)
+    for name in (
+        "__0_0.distcp",
+        "__1_0.distcp",
+        ".metadata.tmp",
+        "mp_rank_00_001/model_optim_rng.pt.tmp",
+        "mp_rank_00_001/distrib_optim_dp001.pt",
+    ):
+        (it / name).write_bytes(b"x")
+    (root / "latest_checkpointed_iteration.txt").write_text("4")
+    files, dirs = ckpt._untracked_checkpoint(str(root), 8, str(it))
+    assert sorted(os.path.relpath(p, it) for p in files) == [
+        ".metadata.tmp",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        os.path.join("mp_rank_00_001", "distrib_optim_dp001.pt"),
+        os.path.join("mp_rank_00_001", "model_optim_rng.pt.tmp"),
+    ]
+    assert dirs == [str(it / "mp_rank_00_001"), str(it)]  # deepest first, the iteration last
+    (root / "latest_checkpointed_iteration.txt").write_text("8")  # tracked: saved again in place
+    assert ckpt._untracked_checkpoint(str(root), 8, str(it)) == ([], [])
+    assert ckpt._untracked_checkpoint(str(root), 12, str(root / "iter_0000012")) == ([], [])
+    (root / "latest_checkpointed_iteration.txt").write_text("4")
+    (it / "my_eval.json").write_text("mine")
+    with pytest.raises(HDETCheckpointError, match=r"my_eval\.json is not a checkpoint file; nothing was"):
+        ckpt._untracked_checkpoint(str(root), 8, str(it))
+    (root / "iter_0000009").write_text("a file")
+    with pytest.raises(HDETCheckpointError, match="is not a checkpoint directory"):
+        ckpt._untracked_checkpoint(str(root), 9, str(root / "iter_0000009"))
+    ckpt.remove_files(files, dirs[:1])  # what the save does on rank 0 (here: short of the stranger's dir)
+    assert sorted(os.listdir(it)) == ["my_eval.json"]

@@ -29,7 +29,6 @@ re-exports the rest (this is the import path to use). The rooms behind it, one j
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -86,6 +85,7 @@ from hdet_megatron.megatron.ckpt.state import (  # noqa: F401  (re-exported)
 )
 from hdet_megatron.megatron.ckpt.torch_dist import _load_dist_tensors, _save_dist
 from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+from hdet_megatron.run_dirs import checkpoint_files, remove_files
 
 from megatron.core import parallel_state as ps
 
@@ -137,8 +137,12 @@ def save_checkpoint(
     metrics = prepare_save(hdet)
     _save_warnings(hdet)
     ckpt_dir = checkpoint_dir(root, iteration)
+    # Every rank looks (read-only) before rank 0 removes anything, so that a directory that may
+    # not be removed is the same clear error on every rank rather than one rank's.
+    stale = _untracked_checkpoint(root, iteration, ckpt_dir)
+    dist.barrier()
     if dist.get_rank() == 0:
-        _remove_untracked(root, iteration, ckpt_dir)
+        remove_files(*stale)
         os.makedirs(ckpt_dir, exist_ok=True)
     dist.barrier()
     common = {
@@ -173,19 +177,35 @@ def write_tracker(root: str, iteration: int) -> None:
     os.replace(tmp, path)
 
 
-def _remove_untracked(root: str, iteration: int, ckpt_dir: str) -> None:
-    """An ``iter_XXXXXXX`` directory the tracker does not name is what a run that died while
-    saving left behind (or an abandoned later run): remove it, so that no stale file of it
-    mixes into the new save."""
-    if not os.path.isdir(ckpt_dir):
-        return
+def _untracked_checkpoint(root: str, iteration: int, ckpt_dir: str) -> tuple[list[str], list[str]]:
+    """The files and directories to remove before saving ``iteration``: an ``iter_XXXXXXX``
+    directory the tracker does not name is what a run that died while saving left behind (or an
+    abandoned later run), and no stale file of it may mix into the new save. Only what a
+    checkpoint save writes is removed (:func:`hdet_megatron.run_dirs.checkpoint_files`); anything
+    else in there raises :class:`HDETCheckpointError` before any rank removes or writes a file."""
+    if not os.path.lexists(ckpt_dir):
+        return [], []
+    if os.path.islink(ckpt_dir) or not os.path.isdir(ckpt_dir):
+        raise HDETCheckpointError(
+            f"cannot save iteration {iteration}: {ckpt_dir} exists and is not a checkpoint directory "
+            "(a file or a symbolic link); nothing was saved: move it away, or save into another directory"
+        )
     try:
         with open(os.path.join(root, TRACKER_FILE)) as f:
-            tracked = int(f.read().strip())
+            tracked: int | None = int(f.read().strip())
     except (OSError, ValueError):
         tracked = None
-    if tracked != int(iteration):
-        shutil.rmtree(ckpt_dir)
+    if tracked == int(iteration):
+        return [], []  # the tracked checkpoint of this iteration: saved again in place
+    files, dirs, stranger = checkpoint_files(ckpt_dir)
+    if stranger is not None:
+        raise HDETCheckpointError(
+            f"cannot save iteration {iteration}: {ckpt_dir} is not the checkpoint the tracker names "
+            f"(a save cut short, or an abandoned run) and would be replaced, but {stranger} is not "
+            "a checkpoint file; nothing was removed or saved: move that directory away, or save "
+            "into another directory"
+        )
+    return files, dirs + [ckpt_dir]
 
 
 def _check_common(common: Any, ckpt_dir: str) -> dict:
