@@ -167,6 +167,41 @@ def test_legacy_onecycle_state_steps_like_torch(kind, kw, hdet):
 
 
 @pytest.mark.parametrize("hdet", [None, NEUTRAL], ids=["off", "neutral"])
+def test_legacy_state_edge_cases_like_torch(hdet):
+    """Where an older state and the new instance disagree, torch's rule holds in both classes: the
+    instance's ``_anneal_func_type`` wins over a loaded ``anneal_func`` of the other strategy; an
+    unknown ``_anneal_func_type`` is the same ValueError at the next step; a state without
+    ``_last_lr`` / ``use_beta1`` (older still) keeps the instance's."""
+    donor_opt = toy_optimizer("adam", 1)
+    donor = torch.optim.lr_scheduler.OneCycleLR(donor_opt, 0.2, total_steps=16, anneal_strategy="cos")
+    for _ in range(4):
+        donor_opt.step(), donor.step()
+    legacy = donor.state_dict()
+    del legacy["_anneal_func_type"], legacy["_last_lr"], legacy["use_beta1"]
+    legacy["anneal_func"] = donor._annealing_cos
+    built = []
+    for cls, extra in ((torch.optim.lr_scheduler.OneCycleLR, {}), (HDETOneCycleLR, {"hdet": hdet})):
+        opt = toy_optimizer("adam", 1)
+        sched = cls(opt, 0.2, total_steps=16, anneal_strategy="linear", **extra)
+        opt.load_state_dict(donor_opt.state_dict())
+        sched.load_state_dict(dict(legacy))
+        built.append((sched, opt))
+    (ref, ref_opt), (ours, opt) = built
+    assert ours.get_last_lr() == ref.get_last_lr()  # the instance's initial _last_lr, in both
+    assert _step_trace(ours, opt, 6, "betas") == _step_trace(ref, ref_opt, 6, "betas")
+    # Step 10 of 16 on the second (anneal) phase, linear as the instance says (cos would differ):
+    peak = float(0.3 * 16) - 1
+    pct = (10 - peak) / (16 - 1 - peak)
+    want = torch.optim.lr_scheduler.OneCycleLR._annealing_linear(0.2, 0.2 / 25 / 1e4, pct)
+    assert ref.get_last_lr() == [want] != [donor._annealing_cos(0.2, 0.2 / 25 / 1e4, pct)]
+    for sched, o in built:
+        sched._anneal_func_type = "cosine"  # neither 'cos' nor 'linear'
+        o.step()
+        with pytest.raises(ValueError, match="Unknown _anneal_func_type: cosine"):
+            sched.step()
+
+
+@pytest.mark.parametrize("hdet", [None, NEUTRAL], ids=["off", "neutral"])
 def test_last_epoch_resume_like_torch(hdet):
     """``last_epoch=k`` (torch's way to resume without a scheduler state: the optimizer's groups
     already hold initial_lr/max_lr/min_lr and the momenta): the same LRs and betas as torch."""
