@@ -22,14 +22,13 @@ import sys
 from collections.abc import Sequence
 
 from hdet_megatron.preflight import TRACKER, InputError, fail
+from hdet_megatron.run_files import ITER_DIR, ITERATION_RULES, Rules, remove_files, walk
 
 __all__ = [
     "DEMO_MARKER",
     "REPORT_PNG_KEY",
     "demo_run_files",
     "clear_demo_run",
-    "checkpoint_files",
-    "remove_files",
     "is_hdet_report_png",
     "check_report_output",
 ]
@@ -49,78 +48,18 @@ REPORT_PNG_KEY = "hdet-report"
 _TOP_FILES = re.compile(
     rf"^(?:{re.escape(DEMO_MARKER)}|metrics\.jsonl|report\.png|{re.escape(TRACKER)}(?:\.tmp\d+)?)$"
 )
-_ITER_DIR = re.compile(r"^iter_\d{7}$")
-#: Inside ``iter_XXXXXXX``: dist_checkpointing (torch_dist) files, and what a save killed midway
-#: leaves (torch's FileSystemWriter writes ``.metadata.tmp`` / ``__R.metadata.tmp`` and renames it).
-_CKPT_FILES = re.compile(r"^(?:metadata\.json|common\.pt|__\d+_\d+\.distcp|(?:__\d+)?\.metadata(?:\.tmp)?)$")
-#: Legacy (torch) checkpoints: one directory per TP/PP(/EP) rank; ``.tmp`` is a file being written
-#: (hdet_megatron.megatron.ckpt.legacy renames it when complete).
-_LEGACY_RANK_DIR = re.compile(r"^mp_rank_\d{2}(?:_\d{3}){0,2}$")
-_LEGACY_FILES = re.compile(r"^(?:model_optim_rng|distrib_optim(?:_dp\d{3})?)\.pt(?:\.tmp)?$")
 _TB_FILES = re.compile(r"^events\.out\.tfevents\..+$")
-
-
-def _entries(path: str) -> list[os.DirEntry]:
-    with os.scandir(path) as it:
-        return sorted(it, key=lambda e: e.name)
-
-
-def _walk(path: str, rules: tuple) -> tuple[list[str], list[str], str | None]:
-    """(files, directories) under ``path`` that ``rules`` accept, deepest first, and the first
-    entry they do not (None when there is none). ``rules`` = (file pattern, ((directory pattern,
-    rules inside it), ...)). Symbolic links are never accepted (nothing is removed through one)."""
-    files: list[str] = []
-    dirs: list[str] = []
-
-    def walk(where: str, file_ok: re.Pattern, dir_rules: tuple) -> str | None:
-        for entry in _entries(where):
-            if entry.is_symlink():
-                return entry.path
-            if entry.is_dir():
-                rule = next((sub for pattern, sub in dir_rules if pattern.match(entry.name)), None)
-                if rule is None:
-                    return entry.path
-                found = walk(entry.path, *rule)
-                if found is not None:
-                    return found
-                dirs.append(entry.path)
-            elif entry.is_file() and file_ok.match(entry.name):
-                if where == path and entry.name == "report.png" and not is_hdet_report_png(entry.path):
-                    return entry.path  # a plot of someone else's under the report's name
-                files.append(entry.path)
-            else:
-                return entry.path
-        return None
-
-    found = walk(path, *rules)
-    return files, dirs, found
-
-
-_LEGACY_RANK = (_LEGACY_FILES, ())
-_ITERATION = (_CKPT_FILES, ((_LEGACY_RANK_DIR, _LEGACY_RANK),))
-_RUN = (_TOP_FILES, ((_ITER_DIR, _ITERATION), (re.compile(r"^tensorboard$"), (_TB_FILES, ()))))
+_RUN: Rules = (_TOP_FILES, ((ITER_DIR, ITERATION_RULES), (re.compile(r"^tensorboard$"), (_TB_FILES, ()))))
 
 
 def _run_files(run_dir: str) -> tuple[list[str], list[str], str | None]:
     """(files, directories) of ``run_dir`` that a run wrote, deepest first, and the first entry
     it did not write (None when there is none)."""
-    return _walk(run_dir, _RUN)
 
+    def foreign_plot(path: str) -> bool:  # a plot of someone else's under the report's name
+        return os.path.basename(path) == "report.png" and not is_hdet_report_png(path)
 
-def checkpoint_files(ckpt_dir: str) -> tuple[list[str], list[str], str | None]:
-    """(files, directories) in one ``iter_XXXXXXX`` directory that a checkpoint save writes
-    (torch_dist or legacy, complete or cut short), deepest first, and the first entry no save
-    writes (None when there is none): what may be removed to save that iteration again."""
-    return _walk(ckpt_dir, _ITERATION)
-
-
-def remove_files(files: Sequence[str], dirs: Sequence[str]) -> None:
-    """Remove ``files``, then the directories ``dirs`` (deepest first; ``os.rmdir`` refuses one
-    that is not empty, so nothing unlisted goes with them)."""
-    for path in files:
-        os.remove(path)
-    for path in dirs:
-        os.rmdir(path)
+    return walk(run_dir, _RUN, refuse=foreign_plot)
 
 
 def _shared_dir(run_dir: str) -> str | None:

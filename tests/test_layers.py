@@ -29,6 +29,7 @@ LAYERS = {
     "hdet_megatron.sim": MATH,
     "hdet_megatron.metrics": MATH,
     "hdet_megatron.corpus": MATH,
+    "hdet_megatron.run_files": MATH,
     # runtimes: torch, FSDP2, Megatron-Core
     "hdet_megatron.torch_runtime": RUNTIME,
     "hdet_megatron.fsdp": RUNTIME,

@@ -85,7 +85,7 @@ from hdet_megatron.megatron.ckpt.state import (  # noqa: F401  (re-exported)
 )
 from hdet_megatron.megatron.ckpt.torch_dist import _load_dist_tensors, _save_dist
 from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
-from hdet_megatron.run_dirs import checkpoint_files, remove_files
+from hdet_megatron.run_files import checkpoint_files, remove_files
 
 from megatron.core import parallel_state as ps
 
@@ -181,7 +181,7 @@ def _untracked_checkpoint(root: str, iteration: int, ckpt_dir: str) -> tuple[lis
     """The files and directories to remove before saving ``iteration``: an ``iter_XXXXXXX``
     directory the tracker does not name is what a run that died while saving left behind (or an
     abandoned later run), and no stale file of it may mix into the new save. Only what a
-    checkpoint save writes is removed (:func:`hdet_megatron.run_dirs.checkpoint_files`); anything
+    checkpoint save writes is removed (:func:`hdet_megatron.run_files.checkpoint_files`); anything
     else in there raises :class:`HDETCheckpointError` before any rank removes or writes a file."""
     if not os.path.lexists(ckpt_dir):
         return [], []
