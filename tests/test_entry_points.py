@@ -296,6 +296,20 @@ case(
     "latest_checkpointed_iteration.txt",
     "expected an iteration number",
 )
+case(
+    "mlm_save_other_checkpoints",
+    "mlm",
+    ["--save", "{ckpt_two}", "--save-interval", "4"],
+    "already holds checkpoints (iter_0000020) of another run",
+    "pass --load",
+)
+case(
+    "mlm_save_after_ckpt_step",
+    "mlm",
+    ["--load", "{ckpt_two}", "--save", "{ckpt_two}", "--save-interval", "4", "--ckpt-step", "10"],
+    "holds iter_0000020, after the checkpoint this run resumes (--ckpt-step 10)",
+    "--save NEW",
+)
 
 # patches/apply.sh (documented codes: 2 usage, 3 interpreter / megatron-core)
 case("apply_unknown", "apply", ["--bogus"], "--bogus", "--help")
@@ -726,6 +740,13 @@ def overlay(tmp_path_factory):
 def mlm_results(overlay, files):
     cases = [(c[0], MLM_CPU + _fill(c[2], files)) for c in CASES if c[1] == "mlm"]
     cases.append(("__good__", MLM_CPU))
+    # Continuing your own run: --load and --save the same directory (issue 27: not refused).
+    cases.append(
+        (
+            "__resume__",
+            MLM_CPU + ["--load", files["ckpt_two"], "--save", files["ckpt_two"], "--save-interval", "4"],
+        )
+    )
     env = {**os.environ, "PYTHONPATH": str(overlay), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
         [sys.executable, "-c", _MLM_RUNNER, str(EXAMPLES)],
@@ -771,6 +792,7 @@ def test_the_table_is_big_enough():
 def test_good_megatron_flags_pass_the_check(mlm_results):
     """The Megatron-LM check is not refusing everything: the base flags pass it."""
     assert mlm_results["__good__"][0] == "passed", mlm_results["__good__"]
+    assert mlm_results["__resume__"][0] == "passed", mlm_results["__resume__"]
 
 
 def test_case_count_matches_the_docs():

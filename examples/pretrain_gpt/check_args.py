@@ -44,6 +44,7 @@ try:
         InputError,
         OneLineParser,
         check_checkpoint,
+        check_save_dir,
         fail,
         fresh_run_dir,
         integer,
@@ -201,6 +202,10 @@ def check_megatron(
 def _check_megatron_files(args) -> None:
     if getattr(args, "load", None):
         check_checkpoint(args.load, getattr(args, "ckpt_step", None) or None)
+    if getattr(args, "save", None):
+        # Megatron-LM's save_checkpoint would write among another run's checkpoints and point
+        # the tracker at its own: the same rule as pretrain_gpt.py (continue it with --load).
+        check_save_dir(args.save, getattr(args, "load", None), getattr(args, "ckpt_step", None) or None)
     for flag in ("vocab_file", "merge_file", "tokenizer_model"):
         path = getattr(args, flag, None)
         if path and not os.path.exists(path):
