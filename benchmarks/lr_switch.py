@@ -44,6 +44,8 @@ from quality import (  # noqa: E402
     run_one,
 )
 
+from hdet_megatron.run_files import SAVE_DIR_RULES, remove_files, walk  # noqa: E402
+
 
 def retarget_checkpoint(src: str, dst: str, factor: float) -> None:
     """Copy a legacy-format checkpoint directory with every param group's LR fields scaled."""
@@ -112,9 +114,13 @@ def main() -> None:
     missing = any(not os.path.isdir(os.path.join(ckpt, f"iter_{a:07d}")) for a in at)
     if missing or args.force:
         # This benchmark's own checkpoints of an earlier (partial, or --force) run: pretrain_gpt.py
-        # refuses to --save among another run's checkpoints.
+        # refuses to --save among another run's checkpoints. Only checkpoint files go; anything
+        # else in there stops the benchmark (nothing a user made is removed).
         if os.path.isdir(ckpt):
-            shutil.rmtree(ckpt)
+            files, dirs, stranger = walk(ckpt, SAVE_DIR_RULES)
+            if stranger is not None:
+                sys.exit(f"lr_switch.py: error: {stranger} is not a checkpoint file: move it out of {ckpt}")
+            remove_files(files, dirs)
         # Save at every switch point: the save interval is their gcd.
         interval = reduce(gcd, at)
         run_one(

@@ -13,7 +13,15 @@ import os
 import re
 from collections.abc import Callable, Sequence
 
-__all__ = ["ITER_DIR", "ITERATION_RULES", "Rules", "walk", "checkpoint_files", "remove_files"]
+__all__ = [
+    "ITER_DIR",
+    "ITERATION_RULES",
+    "SAVE_DIR_RULES",
+    "Rules",
+    "walk",
+    "checkpoint_files",
+    "remove_files",
+]
 
 #: (file pattern, ((directory pattern, rules inside that directory), ...)).
 Rules = tuple[re.Pattern, tuple]
@@ -29,6 +37,12 @@ _LEGACY_RANK_DIR = re.compile(r"^mp_rank_\d{2}(?:_\d{3}){0,2}$")
 _LEGACY_FILES = re.compile(r"^(?:model_optim_rng|distrib_optim(?:_dp\d{3})?)\.pt(?:\.tmp)?$")
 #: The rules for one ``iter_XXXXXXX`` directory.
 ITERATION_RULES: Rules = (_CKPT_FILES, ((_LEGACY_RANK_DIR, (_LEGACY_FILES, ())),))
+#: A ``--save`` directory of checkpoints only: the tracker (``.tmp<pid>`` while it is rewritten)
+#: and the ``iter_XXXXXXX`` directories.
+SAVE_DIR_RULES: Rules = (
+    re.compile(r"^latest_checkpointed_iteration\.txt(?:\.tmp\d+)?$"),
+    ((ITER_DIR, ITERATION_RULES),),
+)
 
 
 def _entries(path: str) -> list[os.DirEntry]:

@@ -299,3 +299,21 @@ def test_demo_small_run_trains(tmp_path):
     assert [r["type"] for r in records].count("run") == 1  # only this run's records
     files, dirs = run_dirs.demo_run_files(str(run))  # the next demo run would clear exactly these
     assert sorted(files + dirs) == sorted(str(p) for p in run.rglob("*"))
+
+
+def test_save_dir_rules_cover_a_checkpoint_directory_only(tmp_path):
+    """run_files.SAVE_DIR_RULES (benchmarks/lr_switch.py clears its own --save with them): a
+    directory of checkpoints and the tracker is all removable; a file of anyone else's is named."""
+    from hdet_megatron.run_files import SAVE_DIR_RULES, remove_files, walk
+
+    run = previous_demo_run(tmp_path / "ckpt")
+    for name in (run_dirs.DEMO_MARKER, "metrics.jsonl", "report.png"):
+        (run / name).unlink()
+    (run / "tensorboard" / "events.out.tfevents.1.host").unlink()
+    (run / "tensorboard").rmdir()
+    files, dirs, stranger = walk(str(run), SAVE_DIR_RULES)
+    assert stranger is None and len(files) == 7 and len(dirs) == 3
+    (run / "notes.txt").write_text("mine")
+    assert walk(str(run), SAVE_DIR_RULES)[2] == str(run / "notes.txt")
+    remove_files(files, dirs)
+    assert sorted(os.listdir(run)) == ["notes.txt"]
