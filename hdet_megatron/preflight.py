@@ -35,6 +35,7 @@ __all__ = [
     "check_checkpoint",
     "check_run_dir",
     "check_save_dir",
+    "check_metrics_file",
     "fresh_run_dir",
     "fail",
 ]
@@ -389,6 +390,24 @@ def check_run_dir(
             f"{flag} {run_dir} belongs to another job ({what}): use a new directory for this "
             "model, or give the same model flags to continue that run"
         )
+
+
+def check_metrics_file(run_dir: str, flag: str = "--run-dir", save: str | None = None) -> None:
+    """The run appends its records to ``RUN_DIR/metrics.jsonl``: refuse when that file is another
+    program's (not empty, and no HDET run record in it), so that no file of anyone else's is
+    written to. Raises :class:`InputError` naming the file and the fix. Not checked when
+    ``run_dir`` is the ``save`` directory a launcher clears first (:func:`fresh_run_dir`)."""
+    if not run_dir or (_FRESH[0] and save and os.path.realpath(run_dir) == os.path.realpath(save)):
+        return
+    path = os.path.join(run_dir, METRICS_FILE)
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise InputError(f"{flag} {run_dir}: {path} is not a file: move it away, or use another {flag}")
+    if not os.path.isfile(path) or os.path.getsize(path) == 0 or last_run_record(run_dir) is not None:
+        return
+    raise InputError(
+        f"{flag} {run_dir}: {path} holds no HDET metrics records (another program's file?) and this "
+        f"run would append to it: use another {flag}, or move that file away"
+    )
 
 
 def _iterations(path: str) -> list[int]:

@@ -294,3 +294,28 @@ def test_save_may_continue_only_its_own_checkpoints(tmp_path):
         "iter_0000008",
         "latest_checkpointed_iteration.txt",
     ]
+
+
+def test_metrics_of_another_program_are_not_appended_to(tmp_path):
+    """The run appends to RUN_DIR/metrics.jsonl: a file there with no HDET run record (another
+    program's) is refused and left as it was; an empty one, or an HDET run's, is continued."""
+    from hdet_megatron.preflight import InputError, check_metrics_file, fresh_run_dir
+
+    check_metrics_file(str(tmp_path / "new"))
+    (tmp_path / "metrics.jsonl").write_text("")
+    check_metrics_file(str(tmp_path))  # empty (a run that died before its first record)
+    (tmp_path / "metrics.jsonl").write_text('{"type": "run", "iteration": 0}\n{"type": "step"}\n')
+    check_metrics_file(str(tmp_path))
+    theirs = '{"epoch": 1, "accuracy": 0.93}\n'
+    (tmp_path / "metrics.jsonl").write_text(theirs)
+    with pytest.raises(InputError) as info:
+        check_metrics_file(str(tmp_path), "--save")
+    assert str(info.value) == (
+        f"--save {tmp_path}: {tmp_path}/metrics.jsonl holds no HDET metrics records (another "
+        "program's file?) and this run would append to it: use another --save, or move that file away"
+    )
+    with fresh_run_dir():  # the demo clears its RUN_DIR (= --save) first; a --run-dir elsewhere is kept
+        check_metrics_file(str(tmp_path), "--save", str(tmp_path))
+        with pytest.raises(InputError):
+            check_metrics_file(str(tmp_path), "--run-dir", str(tmp_path / "cleared"))
+    assert (tmp_path / "metrics.jsonl").read_text() == theirs

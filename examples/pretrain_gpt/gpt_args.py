@@ -548,8 +548,8 @@ def _check_moe_and_cp(args, world_size: int) -> None:
 
 
 def _check_files(args) -> None:
-    """A readable checkpoint in --load, no directory of another job, and no other run's checkpoints
-    in --save (hdet_megatron.preflight)."""
+    """A readable checkpoint in --load, no directory of another job, no other run's checkpoints
+    in --save, and no other program's metrics.jsonl where the records go (hdet_megatron.preflight)."""
     from hdet_megatron import preflight
 
     try:
@@ -564,6 +564,9 @@ def _check_files(args) -> None:
                 preflight.check_run_dir(path, args, flag)
         if args.save:
             preflight.check_save_dir(args.save, args.load, args.ckpt_step)
+        if args.run_dir or args.save:
+            flag = "--run-dir" if args.run_dir else "--save"
+            preflight.check_metrics_file(args.run_dir or args.save, flag, args.save)
     except preflight.InputError as exc:
         raise UsageError(str(exc)) from None
 
