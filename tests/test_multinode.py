@@ -415,24 +415,25 @@ def test_launch_line_names_the_arm_count_in_use(tmp_path):
     fake.chmod(0o755)
     env = dict(base_env(free_port(), PYTHON=str(fake), SAVE=str(tmp_path / "ckpt"), **TINY), NNODES="1")
     env["GPUS_PER_NODE"] = "8"  # TP2 x PP1 -> DP4
-    for extra, want in (
-        ([], "4 HDET arms"),
-        (["--hdet-arms", "2"], "2 HDET arms"),
-        (["--hdet-arms=1"], "1 HDET arms"),
-        (["--no-hdet"], "HDET off"),
+    for extra, arms_env, want in (
+        ([], None, "4 HDET arms"),  # one per DP replica
+        ([], "2", "2 HDET arms"),  # ARMS
+        (["--hdet-arms", "2"], None, "2 HDET arms"),
+        (["--hdet-arms", "4"], "2", "4 HDET arms"),  # the flag wins over ARMS
+        (["--hdet-arms=1"], "2", "1 HDET arm"),
+        (["--no-hdet"], "2", "HDET off"),
     ):
-        for arms_env in ("4", None):
-            run_env = dict(env, ARMS=arms_env) if arms_env else env
-            r = subprocess.run(
-                ["bash", str(RUN_MULTINODE), *extra],
-                env=run_env,
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            assert r.returncode == 0, r.stdout + r.stderr
-            assert f"world 8 = TP2 x PP1 x DP4, {want}, master" in r.stdout, (extra, arms_env, r.stdout)
+        run_env = dict(env, ARMS=arms_env) if arms_env else env
+        r = subprocess.run(
+            ["bash", str(RUN_MULTINODE), *extra],
+            env=run_env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"world 8 = TP2 x PP1 x DP4, {want}, master" in r.stdout, (extra, arms_env, r.stdout)
 
 
 # -- Slurm ----------------------------------------------------------------------------------------

@@ -108,6 +108,7 @@ for i in "${!ARGS[@]}"; do
         --hdet-arms=*) HDET_TEXT="${ARGS[$i]#--hdet-arms=} HDET arms" ;;
     esac
 done
+[[ "$HDET_TEXT" != "1 HDET arms" ]] || HDET_TEXT="1 HDET arm"
 echo "run_multinode.sh: node $NODE_RANK/$NNODES, world $WORLD = TP$TP x PP$PP x DP$DP, $HDET_TEXT, master $MASTER_ADDR:$MASTER_PORT"
 exec $PYTHON -m torch.distributed.run \
     --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
