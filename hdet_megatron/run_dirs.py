@@ -64,7 +64,7 @@ def _run_files(run_dir: str) -> tuple[list[str], list[str], str | None]:
 
 def _shared_dir(run_dir: str) -> str | None:
     """What ``run_dir`` is when it holds more than a run: the root directory, the home directory
-    or one above it, the current directory (the demo runs in its checkout) or one above it."""
+    or one above it, the current directory (the checkout the demo runs in) or one above it."""
     real = os.path.realpath(run_dir)
     if real == os.path.realpath(os.sep):
         return "the root directory"
@@ -73,9 +73,9 @@ def _shared_dir(run_dir: str) -> str | None:
         return "your home directory"
     cwd = os.path.realpath(os.getcwd())
     if real == cwd:
-        return f"the current directory ({cwd})"
+        return f"the checkout the demo runs in ({cwd})"
     if cwd.startswith(real.rstrip(os.sep) + os.sep):
-        return f"a parent of the current directory ({cwd})"
+        return f"a parent of the checkout the demo runs in ({cwd})"
     if home.startswith(real.rstrip(os.sep) + os.sep):
         return "a parent of your home directory"
     return None

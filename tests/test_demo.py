@@ -122,10 +122,10 @@ def test_root_home_and_current_directory_are_refused_even_empty(tmp_path, monkey
     for run_dir, what in (
         ("/", "the root directory"),
         (str(home), "your home directory"),
-        (".", f"the current directory ({work})"),
-        (str(work) + "/", f"the current directory ({work})"),
-        ("..", f"a parent of the current directory ({work})"),
-        (str(tmp_path / "src"), f"a parent of the current directory ({work})"),
+        (".", f"the checkout the demo runs in ({work})"),
+        (str(work) + "/", f"the checkout the demo runs in ({work})"),
+        ("..", f"a parent of the checkout the demo runs in ({work})"),
+        (str(tmp_path / "src"), f"a parent of the checkout the demo runs in ({work})"),
         (str(tmp_path / "users"), "a parent of your home directory"),
     ):
         with pytest.raises(InputError) as info:
@@ -214,7 +214,10 @@ def test_demo_refuses_the_checkout_and_home(fake_venv, tmp_path):
     (home / ".bashrc").write_text("mine")
     env = {k: v for k, v in os.environ.items() if k not in ("STEPS", "RUN_DIR")}
     env.update(VENV=str(fake_venv), HOME=str(home), PYTHONWARNINGS="ignore")
-    for run_dir, what in ((".", f"the current directory ({checkout})"), (str(home), "your home directory")):
+    for run_dir, what in (
+        (".", f"the checkout the demo runs in ({checkout})"),
+        (str(home), "your home directory"),
+    ):
         r = subprocess.run(
             ["bash", str(demo), "--mock-data"],
             env=dict(env, RUN_DIR=run_dir),
