@@ -447,10 +447,11 @@ def short_run_caution(config: HDETConfig, total_iterations: int) -> str:
     start = config.start_scale
     if not config.auto or start is None or start >= 1 or total_iterations <= 0:
         return ""
-    windows = (total_iterations - config.auto_start) // config.period
+    climbing = total_iterations - config.auto_start  # iterations the controller acts in
+    windows = climbing // config.period
     if windows >= MIN_CLIMB_WINDOWS:
         return ""
-    period = max(1, (total_iterations - config.auto_start) // MIN_CLIMB_WINDOWS)
+    period = max(1, climbing // MIN_CLIMB_WINDOWS)
     return (
         f"HDET auto-LR: this run has only {max(windows, 0)} windows of {config.period} iterations and "
         f"starts at {start:g}x the given LR; the climb back needs about {MIN_CLIMB_WINDOWS}: use a "

@@ -26,6 +26,8 @@ import zipfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from hdet_megatron.run_files import TRACKER
+
 __all__ = [
     "InputError",
     "OneLineParser",
@@ -42,8 +44,6 @@ __all__ = [
 
 #: Exit code of every usage / bad-input error (argparse's).
 USAGE = 2
-#: Megatron-LM's tracker file and checkpoint directory naming.
-TRACKER = "latest_checkpointed_iteration.txt"
 METRICS_FILE = "metrics.jsonl"
 
 

@@ -21,8 +21,8 @@ import struct
 import sys
 from collections.abc import Sequence
 
-from hdet_megatron.preflight import TRACKER, InputError, fail
-from hdet_megatron.run_files import ITER_DIR, ITERATION_RULES, Rules, remove_files, walk
+from hdet_megatron.preflight import InputError, fail
+from hdet_megatron.run_files import ITER_DIR, ITERATION_RULES, TRACKER_NAMES, Rules, remove_files, walk
 
 __all__ = [
     "DEMO_MARKER",
@@ -45,9 +45,7 @@ REPORT_PNG_KEY = "hdet-report"
 
 #: Top-level files of a pretrain_gpt.py run directory plus the demo's report and marker
 #: (``write_tracker`` leaves ``TRACKER.tmp<pid>`` when killed mid-write).
-_TOP_FILES = re.compile(
-    rf"^(?:{re.escape(DEMO_MARKER)}|metrics\.jsonl|report\.png|{re.escape(TRACKER)}(?:\.tmp\d+)?)$"
-)
+_TOP_FILES = re.compile(rf"^(?:{re.escape(DEMO_MARKER)}|metrics\.jsonl|report\.png|{TRACKER_NAMES})$")
 _TB_FILES = re.compile(r"^events\.out\.tfevents\..+$")
 _RUN: Rules = (_TOP_FILES, ((ITER_DIR, ITERATION_RULES), (re.compile(r"^tensorboard$"), (_TB_FILES, ()))))
 

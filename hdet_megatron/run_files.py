@@ -14,6 +14,8 @@ import re
 from collections.abc import Callable, Sequence
 
 __all__ = [
+    "TRACKER",
+    "TRACKER_NAMES",
     "ITER_DIR",
     "ITERATION_RULES",
     "SAVE_DIR_RULES",
@@ -26,6 +28,11 @@ __all__ = [
 #: (file pattern, ((directory pattern, rules inside that directory), ...)).
 Rules = tuple[re.Pattern, tuple]
 
+#: Megatron-LM's tracker file: the iteration of the latest complete checkpoint.
+TRACKER = "latest_checkpointed_iteration.txt"
+#: The tracker and the file it is rewritten through (``.tmp<pid>``, then renamed:
+#: :func:`hdet_megatron.megatron.checkpointing.write_tracker`), as a regular expression.
+TRACKER_NAMES = rf"{re.escape(TRACKER)}(?:\.tmp\d+)?"
 #: Megatron-LM's checkpoint directory of one iteration.
 ITER_DIR = re.compile(r"^iter_\d{7}$")
 #: Inside ``iter_XXXXXXX``: dist_checkpointing (torch_dist) files, and what a save killed midway
@@ -40,7 +47,7 @@ ITERATION_RULES: Rules = (_CKPT_FILES, ((_LEGACY_RANK_DIR, (_LEGACY_FILES, ())),
 #: A ``--save`` directory of checkpoints only: the tracker (``.tmp<pid>`` while it is rewritten)
 #: and the ``iter_XXXXXXX`` directories.
 SAVE_DIR_RULES: Rules = (
-    re.compile(r"^latest_checkpointed_iteration\.txt(?:\.tmp\d+)?$"),
+    re.compile(rf"^{TRACKER_NAMES}$"),
     ((ITER_DIR, ITERATION_RULES),),
 )
 

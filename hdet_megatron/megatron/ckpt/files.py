@@ -22,6 +22,7 @@ from hdet_megatron.megatron.ckpt.state import (
     _bad,
     _config_from_fingerprint,
 )
+from hdet_megatron.run_files import TRACKER
 
 from megatron.core import parallel_state as ps
 
@@ -32,7 +33,7 @@ from megatron.core import parallel_state as ps
 DISTOPT_SHARDING_TYPE = "dp_reshardable"
 
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
+TRACKER_FILE = TRACKER  # Megatron-LM's name (hdet_megatron.run_files: one definition)
 
 
 LEGACY_FILE = "model_optim_rng.pt"
