@@ -4,6 +4,13 @@
 
 Reads whichever of ``converge.json``, ``scale_sim.json`` and ``quality/quality.json`` exist and
 writes ``converge.png``, ``scale_sim.png``, ``quality_sweep.png`` and ``quality_lr.png``.
+
+    .venv/bin/python benchmarks/plots.py --controller RUN_DIR [RUN_DIR ...] --out DIR --name NAME
+
+draws one HDET run's auto-LR controller per window instead (``NAME.png``; a run of the example
+or of ``benchmarks/generalize.py``): the line's slope ``g`` (raw and short-horizon corrected) and
+curvature ``q``; the newton rule's raw step with its jackknife se, the applied step and the
+branch it took; the confidence; the LR scale.
 """
 
 from __future__ import annotations
@@ -192,12 +199,68 @@ def plot_quality(data: dict, out: str) -> list[str]:
     return paths
 
 
+def plot_controller(run_dirs: list[str], out: str, name: str) -> str:
+    """Per window of each run (one column per run): what the controller saw and did."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from generalize import controller_trace
+
+    fig, axes = plt.subplots(4, len(run_dirs), figsize=(5.2 * len(run_dirs), 10), sharex="col", squeeze=False)
+    markers = {"min": "o", "clip+": "^", "clip-": "v", "edge+": ">", "edge-": "<"}
+    for col, run_dir in enumerate(run_dirs):
+        trace = controller_trace(run_dir)
+        if not trace:
+            raise SystemExit(f"{run_dir}: no window records with a controller update")
+        it = [t["iteration"] for t in trace]
+        ax = axes[0][col]
+        ax.plot(it, [t["g"] for t in trace], "C0.-", label="g (slope at s=1)")
+        ax.plot(it, [t["g_corrected"] for t in trace], "C1.--", label="g corrected (horizon)")
+        ax.plot(it, [t["q"] for t in trace], "C2.-", label="q (curvature)")
+        ax.axhline(0, color="k", lw=0.6)
+        ax.set_title(os.path.basename(os.path.normpath(run_dir)), fontsize=9)
+        ax.legend(fontsize=7)
+        ax = axes[1][col]
+        raw = [t["raw_step"] for t in trace]
+        ax.errorbar(
+            it, raw, yerr=[t["step_se"] for t in trace], fmt="none", ecolor="C0", alpha=0.5, capsize=2
+        )
+        for branch, marker in markers.items():
+            pts = [(t["iteration"], t["raw_step"]) for t in trace if t["branch"] == branch]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker, color="C0", ls="none", label=f"raw step ({branch})")
+        ax.plot(it, [t["step"] for t in trace], "C3x", label="applied (x confidence)")
+        ax.axhline(0, color="k", lw=0.6)
+        for y in (math.log(2), -math.log(2)):
+            ax.axhline(y, color="gray", ls=":", lw=0.8)
+        ax.set_ylabel("log target factor")
+        ax.legend(fontsize=7)
+        ax = axes[2][col]
+        ax.plot(it, [t["confidence"] for t in trace], "C4.-")
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_ylabel("confidence d^2/(d^2+se^2)")
+        ax = axes[3][col]
+        ax.step(it, [t["scale"] for t in trace], where="post", color="C5", marker=".")
+        for t in trace:
+            if t["brake"]:
+                ax.axvline(t["iteration"], color="tab:red", lw=0.8)
+        ax.set_yscale("log", base=2)
+        ax.set_ylabel("LR scale c after the update (red: brake)")
+        ax.set_xlabel("iteration")
+    return _save(fig, out, f"{name}.png")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--results", default="benchmarks/results")
     p.add_argument("--out", default="benchmarks/figures")
+    p.add_argument("--controller", nargs="+", default=None, help="HDET run dirs: per-window controller plot")
+    p.add_argument("--name", default="controller", help="--controller: the figure's file name (no .png)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.controller:
+        print(f"wrote {plot_controller(args.controller, args.out, args.name)}")
+        return
     written = []
     converge = _load(os.path.join(args.results, "converge.json"))
     if converge:

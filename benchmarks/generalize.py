@@ -1,0 +1,525 @@
+"""Generalization of auto-LR (issue 35): four tasks, each against its own LR sweep and the LR-free
+optimizers a user would pick instead of a sweep.
+
+    .venv/bin/pip install -e '.[bench]'                                  # schedulefree, prodigyopt
+    .venv/bin/python benchmarks/generalize.py --tasks megatron-8x onecycle-ddp --seeds 1234
+    .venv/bin/python benchmarks/generalize.py --tasks megatron-wsd hsdp-cosine --held-out --seeds 1 2 3
+    .venv/bin/python benchmarks/generalize.py --table-only                 # tables from the results
+
+Every run uses 4 local gloo ranks = 4 data-parallel replicas = 4 HDET arms. Per task and seed:
+
+- ``sweep-x{f}``: the task's own plain baseline at ``centre * f``, f = 1/4 .. 4, extended
+  outwards until the best point has a worse point on each side;
+- ``def-x{g}``: HDET with nothing but the period given (the defaults: ``average`` + ``newton``,
+  slow start, brake, noise-aware steps), from ``g`` = 1/4, 1 and 4 times the best sweep LR;
+- ``off-x{g}``: the same with auto-LR off (spread and converge only) at the same guesses;
+- ``sf-x{g}``: Schedule-Free AdamW at the same guesses (its own warm-up over the task's warm-up
+  steps, no schedule, evaluated in its eval mode);
+- ``prodigy``: Prodigy at lr 1 under the task's schedule shape (no guess at all).
+
+**Protocol.** ``megatron-8x`` and ``onecycle-ddp`` are the *tuning* tasks: the controller may be
+changed after looking at them. ``megatron-wsd`` and ``hsdp-cosine`` are *held out*: they run once,
+with nothing changed, after the rule is frozen, and the runner refuses them without
+``--held-out``. A finished run (its ``final`` record present) is not run again; ``--force`` reruns.
+Results: ``generalize.json`` (one row per run), ``generalize.md`` (per task: every row's final
+validation loss and its gap to that seed's best sweep point) under ``--out``; the per-window
+controller data stay in each run's ``metrics.jsonl`` (``benchmarks/plots.py --controller``
+draws them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import quality  # noqa: E402  (the Megatron example's run construction)
+
+NPROC = 4
+TORCH_WORKER = os.path.join(ROOT, "benchmarks", "gen_torch.py")
+PEER_LAUNCHER = os.path.join(ROOT, "benchmarks", "gen_megatron_peer.py")
+
+#: Guesses (multiples of the best sweep LR) of the HDET, auto-off and Schedule-Free rows.
+GUESSES = (0.25, 1.0, 4.0)
+#: The first sweep: centre * 2**k, k = -2..2.
+SWEEP_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
+#: How far a sweep may extend past its first five points looking for a bracketed best.
+MAX_EXTENSIONS = 3
+
+
+@dataclass(frozen=True)
+class Task:
+    """One benchmark task: a path (``megatron`` or ``torch``), its model, data and schedule."""
+
+    name: str
+    held_out: bool
+    path: str
+    center_lr: float
+    period: int
+    steps: int
+    warmup: int
+    """Warm-up iterations (Megatron) or steps (OneCycleLR: ``pct_start * steps``)."""
+    summary: str
+    options: dict[str, float | int | str] = field(default_factory=dict)
+    """Megatron: ``quality.add_model_flags`` values and ``extra`` flags; torch: ``gen_torch.py``."""
+
+    @property
+    def role(self) -> str:
+        return "held out" if self.held_out else "tuning"
+
+
+TASKS: dict[str, Task] = {
+    t.name: t
+    for t in (
+        Task(
+            name="megatron-8x",
+            held_out=False,
+            path="megatron",
+            center_lr=2e-3,
+            period=10,
+            steps=120,
+            warmup=8,
+            summary="the Megatron example (BENCHMARKS 3d's 8x batch, shortened): GPT 4x128, seq 128, "
+            "global batch 64, cosine to LR/10 after an 8-iteration warm-up, 12 windows of 10 "
+            "iterations, 20,480 tokens per arm per window",
+            options=dict(layers=4, hidden=128, heads=4, seq=128, global_batch=64, micro_batch=16),
+        ),
+        Task(
+            name="onecycle-ddp",
+            held_out=False,
+            path="torch",
+            center_lr=4e-3,
+            period=10,
+            steps=240,
+            warmup=72,
+            summary="byte-level GPT in plain torch, DDP, AdamW + OneCycleLR (30% warm-up, cosine, "
+            "torch's div factors), HDETOneCycleLR + BatchProbe as documented, GPT 4x128, seq 128, "
+            "8 sequences per rank, 24 windows of 10 steps, 10,240 tokens per arm per window",
+            options=dict(width=128, layers=4, heads=4, seq=128, batch=8, pct_start=0.3),
+        ),
+        Task(
+            name="megatron-wsd",
+            held_out=True,
+            path="megatron",
+            center_lr=2e-3,
+            period=10,
+            steps=200,
+            warmup=5,
+            summary="the Megatron example with warm-up-stable-decay: GPT 3x192, seq 256, global "
+            "batch 16, 5-iteration warm-up, constant, linear decay to LR/10 over the last 50 "
+            "iterations, 20 windows of 10 iterations, 10,240 tokens per arm per window",
+            options=dict(
+                layers=3,
+                hidden=192,
+                heads=6,
+                seq=256,
+                global_batch=16,
+                micro_batch=4,
+                extra="--lr-decay-style WSD --lr-wsd-decay-iters 50 --lr-wsd-decay-style linear",
+            ),
+        ),
+        Task(
+            name="hsdp-cosine",
+            held_out=True,
+            path="torch",
+            center_lr=3e-3,
+            period=20,
+            steps=200,
+            warmup=10,
+            summary="byte-level GPT in plain torch on FSDP2 (HSDP mesh 4 replicas x 1 shard: 2x2 "
+            "would give 2 arms, the line signal needs 3), AdamW + OneCycleLR with a 5% warm-up "
+            "from LR/10 and a cosine decay to LR/10, GPT 3x96, seq 64, 16 sequences per rank, "
+            "10 windows of 20 steps, 20,480 tokens per arm per window",
+            options=dict(
+                width=96,
+                layers=3,
+                heads=4,
+                seq=64,
+                batch=16,
+                pct_start=0.05,
+                div_factor=10.0,
+                final_div_factor=1.0,
+                fsdp=1,
+            ),
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One row of a task's table: what trains, at which LR."""
+
+    row: str
+    """``sweep-x0.5``, ``def-x1``, ``off-x4``, ``sf-x0.25``, ``prodigy``."""
+    group: str
+    """``sweep``, ``def``, ``off``, ``sf`` or ``prodigy``."""
+    lr: float
+    guess: float | None
+    """The LR as a multiple of the best sweep LR (None: the sweep's and Prodigy's rows)."""
+
+
+def fmt_factor(f: float) -> str:
+    return f"{f:g}"
+
+
+def sweep_runs(task: Task, factors: Sequence[float]) -> list[Run]:
+    return [Run(f"sweep-x{fmt_factor(f)}", "sweep", task.center_lr * f, None) for f in factors]
+
+
+def method_runs(best_lr: float) -> list[Run]:
+    """The rows that need the best sweep LR (and Prodigy, which needs none)."""
+    runs = []
+    for group in ("def", "off", "sf"):
+        runs += [Run(f"{group}-x{fmt_factor(g)}", group, best_lr * g, g) for g in GUESSES]
+    return runs + [Run("prodigy", "prodigy", 1.0, None)]
+
+
+def next_sweep_factors(done: dict[float, float]) -> list[float]:
+    """Sweep factors still to run: the best point needs a worse neighbour on each side."""
+    if not done:
+        return list(SWEEP_FACTORS)
+    best = min(done, key=lambda f: done[f])
+    return [f for f in (best / 2, best * 2) if f not in done]
+
+
+# -------------------------------------------------------------------------------- command lines
+def megatron_base(task: Task, seed: int, data_prefix: str, eval_iters: int) -> list[str]:
+    opts = dict(task.options)
+    extra = str(opts.pop("extra", ""))
+    ns = argparse.Namespace(
+        steps=task.steps, warmup=task.warmup, eval_iters=eval_iters, **{k: opts[k] for k in opts}
+    )
+    return quality.model_args(ns, data_prefix, seed) + shlex.split(extra)
+
+
+def torch_base(task: Task, seed: int) -> list[str]:
+    flags = ["--steps", str(task.steps), "--period", str(task.period), "--seed", str(seed)]
+    for key, value in task.options.items():
+        flags += [f"--{key.replace('_', '-')}", str(value)]
+    return flags
+
+
+def command(task: Task, run: Run, seed: int, data_prefix: str, eval_iters: int) -> list[str]:
+    """The torchrun arguments (after ``--nproc-per-node``) of one run, without ``--run-dir``."""
+    if task.path == "torch":
+        mode = {"sweep": "plain", "def": "hdet", "off": "hdet-off", "sf": "sf", "prodigy": "prodigy"}[
+            run.group
+        ]
+        return [TORCH_WORKER, "--mode", mode, "--lr", f"{run.lr:.6g}", *torch_base(task, seed)]
+    base = megatron_base(task, seed, data_prefix, eval_iters)
+    if run.group == "sweep":
+        return [quality.SCRIPT, *base, *quality.lr_flags(run.lr), "--no-hdet"]
+    if run.group in ("def", "off"):
+        flags = ["--hdet-period", str(task.period)] + (["--no-hdet-auto"] if run.group == "off" else [])
+        return [quality.SCRIPT, *base, *quality.lr_flags(run.lr), *flags]
+    if run.group == "sf":  # constant LR from Megatron's scheduler; Schedule-Free warms up itself
+        flags = ["--lr", f"{run.lr:.6g}", "--min-lr", f"{run.lr:.6g}", "--lr-decay-style", "constant"]
+        flags += ["--lr-warmup-iters", "0", "--no-hdet"]
+        return [PEER_LAUNCHER, "--peer", "sf", "--peer-warmup", str(task.warmup), "--", *base, *flags]
+    # Prodigy: lr 1 with the task's schedule shape (min LR = LR/10 as every run here).
+    return [PEER_LAUNCHER, "--peer", "prodigy", "--", *base, *quality.lr_flags(1.0), "--no-hdet"]
+
+
+# ------------------------------------------------------------------------------------ results
+def read_windows(run_dir: str) -> list[dict]:
+    """The ``window`` records of a run's ``metrics.jsonl`` (both paths write the same shape)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    out = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                if rec.get("type") == "window":
+                    out.append(rec)
+    return out
+
+
+def read_final(run_dir: str) -> dict | None:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return None
+    final = None
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("type") == "final":
+                final = rec
+    return final
+
+
+def execute(
+    cmd: list[str], run_dir: str, force: bool, log: Callable[[str], None]
+) -> tuple[dict, float | None]:
+    """Run one torchrun job unless it finished before; returns its final record and wall seconds."""
+    done = None if force else read_final(run_dir)
+    if done is not None:
+        return done, None
+    os.makedirs(run_dir, exist_ok=True)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(metrics):  # an unfinished run's records would be appended to: start clean
+        os.remove(metrics)
+    full = [
+        os.path.join(os.path.dirname(sys.executable), "torchrun"),
+        "--standalone",
+        f"--nproc-per-node={NPROC}",
+        *cmd,
+        "--run-dir",
+        run_dir,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", GLOO_SOCKET_IFNAME="lo")
+    shown = " ".join(shlex.quote(os.path.relpath(c) if c.startswith(ROOT) else c) for c in cmd)
+    log(f"start {os.path.relpath(run_dir)}: {shown}")
+    start = time.perf_counter()
+    with open(os.path.join(run_dir, "stdout.log"), "w") as f:
+        proc = subprocess.run(full, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    seconds = time.perf_counter() - start
+    done = read_final(run_dir)
+    if proc.returncode != 0 or done is None:
+        raise SystemExit(f"{run_dir} failed (exit {proc.returncode}); see its stdout.log")
+    return done, seconds
+
+
+def newton_branch(line: dict) -> str:
+    """Which branch of the ``newton`` rule a window's line fit took: ``min`` (the fitted minimum,
+    inside the 2x bound), ``clip+``/``clip-`` (a minimum beyond the bound: the step is clipped to
+    2x / 1/2), ``edge+``/``edge-`` (no minimum, q <= 0: the descent end of the arms' range)."""
+    g, q = line["corrected_slope"], line["curvature"]
+    if not q > 0:
+        return "edge+" if g < 0 else "edge-"
+    target = 1.0 - g / q
+    if target > 2.0:
+        return "clip+"
+    if target < 0.5:
+        return "clip-"
+    return "min"
+
+
+def controller_trace(run_dir: str) -> list[dict]:
+    """Per window of an HDET run: the line fit (``g``, corrected ``g``, ``q``, ``kappa``), the
+    newton branch, the raw step (log of the target factor, before the noise-aware shrink), its
+    jackknife se and confidence, the applied step, the scale after the update and the brake."""
+    out = []
+    for w in read_windows(run_dir):
+        update, line = w.get("update") or {}, w.get("line")
+        lr = lambda d: (d or {}).get("lr", math.nan)  # noqa: E731
+        out.append(
+            {
+                "window": update.get("window", w.get("window")),
+                "iteration": w["iteration"],
+                "base_lr": w.get("base_lr"),
+                "g": line["slope"] if line else math.nan,
+                "g_corrected": line["corrected_slope"] if line else math.nan,
+                "q": line["curvature"] if line else math.nan,
+                "kappa": line["persistence"] if line else math.nan,
+                "branch": newton_branch(line) if line else "",
+                "raw_step": lr(update.get("raw_deltas")),
+                "step_se": lr(update.get("step_se")),
+                "confidence": lr(update.get("confidence")),
+                "step": lr(update.get("deltas")),
+                "scale": lr(update.get("scales") or w.get("scales")),
+                "brake": update.get("brake"),
+            }
+        )
+    return out
+
+
+def summarize(task: Task, run: Run, seed: int, final: dict, run_dir: str, seconds: float | None) -> dict:
+    loss = final["valid_loss"]
+    windows = read_windows(run_dir)
+    scales = final.get("scales") or {}
+    return {
+        "task": task.name,
+        "role": task.role,
+        "row": run.row,
+        "group": run.group,
+        "seed": seed,
+        "lr": run.lr,
+        "guess": run.guess,
+        "valid_loss": loss if isinstance(loss, (int, float)) and math.isfinite(loss) else math.inf,
+        "final_scale": scales.get("lr", 1.0),
+        "wall_seconds": seconds,
+        "train_seconds": final.get("train_seconds"),
+        "windows": len(windows),
+        "brakes": sum(1 for w in windows if (w.get("update") or {}).get("brake")),
+        "run_dir": os.path.relpath(run_dir, ROOT),
+    }
+
+
+def best_sweep(rows: list[dict], task: str, seed: int) -> dict | None:
+    sweep = [r for r in rows if r["task"] == task and r["seed"] == seed and r["group"] == "sweep"]
+    return min(sweep, key=lambda r: r["valid_loss"]) if sweep else None
+
+
+def markdown_tables(rows: list[dict]) -> str:
+    """Per task: every row's validation loss and gap to the same seed's best sweep point (mean
+    over seeds with min..max), the plain sweep point at the same LR where there is one, the final
+    LR scale and the wall time per run."""
+    out = []
+    order = {"sweep": 0, "def": 1, "off": 2, "sf": 3, "prodigy": 4}
+    for task in TASKS.values():
+        trows = [r for r in rows if r["task"] == task.name]
+        if not trows:
+            continue
+        seeds = sorted({r["seed"] for r in trows})
+        out.append(f"#### {task.name} ({task.role})\n\n{task.summary}.\n")
+        bests = {s: best_sweep(trows, task.name, s) for s in seeds}
+        out.append(
+            "best sweep point per seed: "
+            + ", ".join(
+                f"seed {s}: {b['lr']:.3g} ({b['valid_loss']:.4f})" for s, b in bests.items() if b is not None
+            )
+            + "\n"
+        )
+        out.append(
+            "| row | seeds | LR / best | valid loss (mean, min..max) | vs best sweep point (mean, "
+            "min..max) | plain at that LR | final scale | wall s per run |"
+        )
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+        groups: dict[str, list[dict]] = {}
+        for r in trows:
+            if bests.get(r["seed"]) is None:
+                continue
+            groups.setdefault(r["row"], []).append(r)
+
+        def key(name: str, groups: dict = groups, bests: dict = bests) -> tuple[int, float]:
+            rs = groups[name]
+            return order[rs[0]["group"]], rs[0]["lr"] / bests[rs[0]["seed"]]["lr"]
+
+        for name in sorted(groups, key=key):
+            rs = groups[name]
+            rel = [100 * (r["valid_loss"] / bests[r["seed"]]["valid_loss"] - 1) for r in rs]
+            loss = [r["valid_loss"] for r in rs]
+            factor = rs[0]["lr"] / bests[rs[0]["seed"]]["lr"]
+            plain = []
+            for r in rs:
+                same = [
+                    p
+                    for p in trows
+                    if p["group"] == "sweep" and p["seed"] == r["seed"] and math.isclose(p["lr"], r["lr"])
+                ]
+                if same and r["group"] != "sweep":
+                    plain.append(100 * (same[0]["valid_loss"] / bests[r["seed"]]["valid_loss"] - 1))
+            walls = [r["wall_seconds"] for r in rs if r.get("wall_seconds")]
+            label = f"**{name}**" if name.startswith("sweep") and max(rel) == 0 else name
+            out.append(
+                f"| {label} | {len(rs)} | {'-' if rs[0]['group'] == 'prodigy' else f'{factor:g}'} | "
+                f"{_mean(loss):.4f} ({min(loss):.4f}..{max(loss):.4f}) | "
+                f"{_mean(rel):+.2f}% ({min(rel):+.2f}..{max(rel):+.2f}) | "
+                f"{f'{_mean(plain):+.2f}%' if plain else ''} | "
+                f"{_mean([r['final_scale'] for r in rs]):.3g} | "
+                f"{f'{_mean(walls):.0f}' if walls else ''} |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return math.fsum(xs) / len(xs)
+
+
+# ------------------------------------------------------------------------------------- driver
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tasks", nargs="+", default=["megatron-8x", "onecycle-ddp"], choices=sorted(TASKS))
+    p.add_argument(
+        "--held-out",
+        action="store_true",
+        help="allow the held-out tasks (run them once, after the rule is frozen)",
+    )
+    p.add_argument("--seeds", type=int, nargs="+", default=[1234])
+    p.add_argument(
+        "--only", nargs="+", default=None, help="run only these rows (e.g. def-x1 prodigy); the sweep always"
+    )
+    p.add_argument("--eval-iters", type=int, default=20, help="Megatron tasks' validation batches")
+    p.add_argument("--out", default="benchmarks/results/generalize")
+    p.add_argument("--force", action="store_true", help="rerun finished runs")
+    p.add_argument("--table-only", action="store_true", help="print the tables of the results so far")
+    args = p.parse_args(argv)
+    refused = [t for t in args.tasks if TASKS[t].held_out]
+    if refused and not args.held_out and not args.table_only:
+        p.error(
+            f"{', '.join(refused)} {'is a held-out task' if len(refused) == 1 else 'are held-out tasks'}: "
+            "they run once, with nothing changed, after the rule is frozen (--held-out)"
+        )
+    return args
+
+
+def load_rows(path: str) -> dict[tuple[str, str, int], dict]:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {(r["task"], r["row"], r["seed"]): r for r in json.load(f)["runs"]}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    results = os.path.join(args.out, "generalize.json")
+    rows = load_rows(results)
+    logf = open(os.path.join(args.out, "generalize.log"), "a")
+
+    def log(msg: str) -> None:
+        line = f"{time.strftime('%H:%M:%S')} {msg}"
+        print(line, flush=True)
+        logf.write(line + "\n")
+        logf.flush()
+
+    def save() -> None:
+        with open(results, "w") as f:
+            json.dump(
+                {"runs": sorted(rows.values(), key=lambda r: (r["task"], r["seed"], r["row"]))}, f, indent=1
+            )
+        with open(os.path.join(args.out, "generalize.md"), "w") as f:
+            f.write(markdown_tables(list(rows.values())) + "\n")
+
+    if not args.table_only:
+        data_prefix = quality.default_data_prefix()
+        for name in args.tasks:
+            task = TASKS[name]
+            for seed in args.seeds:
+
+                def do(run: Run, task: Task = task, seed: int = seed) -> dict:
+                    run_dir = os.path.join(args.out, task.name, f"{run.row}-s{seed}")
+                    cmd = command(task, run, seed, data_prefix, args.eval_iters)
+                    final, seconds = execute(cmd, run_dir, args.force, log)
+                    old = rows.get((task.name, run.row, seed))
+                    if seconds is None and old is not None:
+                        seconds = old.get("wall_seconds")  # keep the time the run took when it ran
+                    row = summarize(task, run, seed, final, run_dir, seconds)
+                    rows[(task.name, run.row, seed)] = row
+                    save()
+                    took = f"{seconds:.0f} s" if seconds is not None else "done before"
+                    log(f"{task.name} seed {seed} {run.row}: valid {row['valid_loss']:.4f} ({took})")
+                    return row
+
+                sweep: dict[float, float] = {}
+                for _ in range(MAX_EXTENSIONS + 1):
+                    todo = next_sweep_factors(sweep)
+                    if not todo:
+                        break
+                    for f in todo:
+                        sweep[f] = do(sweep_runs(task, [f])[0])["valid_loss"]
+                best = min(sweep, key=lambda f: sweep[f])
+                if next_sweep_factors(sweep):
+                    log(f"{task.name} seed {seed}: sweep not bracketed after {MAX_EXTENSIONS} extensions")
+                for run in method_runs(task.center_lr * best):
+                    if args.only and run.row not in args.only:
+                        continue
+                    do(run)
+    table = markdown_tables(list(rows.values()))
+    print(table)
+    save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The plumbing of ``benchmarks/generalize.py`` (issue 35's runner): argument parsing, the
+held-out refusal, the sweep's bracketing, each row's command line and the table's formatting.
+Nothing here trains; the rows fed to the table are made up to check its arithmetic, not results."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import generalize as g  # noqa: E402
+
+
+def test_four_tasks_two_tuning_two_held_out_on_three_paths():
+    assert sorted(t.name for t in g.TASKS.values() if not t.held_out) == ["megatron-8x", "onecycle-ddp"]
+    assert sorted(t.name for t in g.TASKS.values() if t.held_out) == ["hsdp-cosine", "megatron-wsd"]
+    assert {t.path for t in g.TASKS.values()} == {"megatron", "torch"}
+    assert g.TASKS["hsdp-cosine"].options["fsdp"] == 1  # FSDP2 (the other torch task is DDP)
+    for t in g.TASKS.values():
+        assert t.steps % t.period == 0, t.name  # the last window ends at the last step
+
+
+def test_default_tasks_are_the_tuning_tasks():
+    args = g.parse_args([])
+    assert args.tasks == ["megatron-8x", "onecycle-ddp"] and args.seeds == [1234]
+
+
+@pytest.mark.parametrize("task", ["megatron-wsd", "hsdp-cosine"])
+def test_held_out_tasks_are_refused_without_the_flag(task, capsys):
+    with pytest.raises(SystemExit):
+        g.parse_args(["--tasks", "onecycle-ddp", task])
+    assert "held-out" in capsys.readouterr().err
+    assert g.parse_args(["--tasks", task, "--held-out"]).tasks == [task]
+    assert g.parse_args(["--tasks", task, "--table-only"]).table_only  # reading is not running
+
+
+def test_sweep_extends_until_the_best_point_is_bracketed():
+    assert g.next_sweep_factors({}) == list(g.SWEEP_FACTORS)
+    inside = {0.25: 3.0, 0.5: 2.5, 1.0: 2.4, 2.0: 2.6, 4.0: 2.9}
+    assert g.next_sweep_factors(inside) == []
+    edge = {0.25: 3.0, 0.5: 2.5, 1.0: 2.4, 2.0: 2.3, 4.0: 2.2}
+    assert g.next_sweep_factors(edge) == [8.0]
+    assert g.next_sweep_factors({**edge, 8.0: 2.5}) == []
+
+
+def test_rows_of_a_task():
+    runs = g.method_runs(2e-3)
+    assert [r.row for r in runs] == [
+        "def-x0.25", "def-x1", "def-x4", "off-x0.25", "off-x1", "off-x4",
+        "sf-x0.25", "sf-x1", "sf-x4", "prodigy",
+    ]  # fmt: skip
+    assert [r.lr for r in runs if r.group == "def"] == [5e-4, 2e-3, 8e-3]
+
+
+def test_megatron_command_lines():
+    task = g.TASKS["megatron-8x"]
+    best = g.method_runs(2e-3)
+
+    def cmd(row):
+        return g.command(task, next(r for r in best if r.row == row), 1234, "PREFIX", 20)
+
+    sweep = g.command(task, g.sweep_runs(task, [0.5])[0], 1234, "PREFIX", 20)
+    assert sweep[0] == g.quality.SCRIPT and "--no-hdet" in sweep and "1e-3" not in sweep
+    assert sweep[sweep.index("--lr") + 1] == "0.001" and sweep[sweep.index("--global-batch-size") + 1] == "64"
+    d = cmd("def-x4")
+    assert d[d.index("--hdet-period") + 1] == "10" and "--no-hdet-auto" not in d and "--no-hdet" not in d
+    assert "--no-hdet-auto" in cmd("off-x1")
+    sf = cmd("sf-x1")
+    assert sf[:5] == [g.PEER_LAUNCHER, "--peer", "sf", "--peer-warmup", "8"]
+    # The last flag wins in argparse: Schedule-Free's LR is held constant by Megatron's scheduler.
+    assert sf[len(sf) - 1 - sf[::-1].index("--lr-decay-style") + 1] == "constant"
+    prodigy = cmd("prodigy")
+    assert prodigy[prodigy.index("--lr") + 1] == "1" and prodigy[prodigy.index("--min-lr") + 1] == "0.1"
+    wsd = g.command(g.TASKS["megatron-wsd"], g.sweep_runs(g.TASKS["megatron-wsd"], [1])[0], 1, "P", 20)
+    assert wsd[len(wsd) - 1 - wsd[::-1].index("--lr-decay-style") + 1] == "WSD"
+
+
+def test_torch_command_lines():
+    task = g.TASKS["hsdp-cosine"]
+    run = g.method_runs(3e-3)[0]
+    c = g.command(task, run, 7, "unused", 20)
+    assert c[0] == g.TORCH_WORKER and c[c.index("--mode") + 1] == "hdet"
+    assert c[c.index("--fsdp") + 1] == "1" and c[c.index("--seed") + 1] == "7"
+    assert c[c.index("--pct-start") + 1] == "0.05"
+    modes = {r.group: g.command(task, r, 7, "", 20) for r in g.method_runs(3e-3)}
+    assert modes["off"][modes["off"].index("--mode") + 1] == "hdet-off"
+    assert modes["prodigy"][modes["prodigy"].index("--lr") + 1] == "1"
+
+
+def _row(task, row, group, lr, loss, seed=1, guess=None):
+    return {
+        "task": task, "role": "tuning", "row": row, "group": group, "seed": seed, "lr": lr,
+        "guess": guess, "valid_loss": loss, "final_scale": 1.0, "wall_seconds": 60.0,
+    }  # fmt: skip
+
+
+def test_table_formatting_against_the_best_sweep_point():
+    rows = [
+        _row("onecycle-ddp", "sweep-x0.5", "sweep", 2e-3, 2.2),
+        _row("onecycle-ddp", "sweep-x1", "sweep", 4e-3, 2.0),
+        _row("onecycle-ddp", "sweep-x2", "sweep", 8e-3, 2.1),
+        _row("onecycle-ddp", "def-x0.5", "def", 2e-3, 2.02, guess=0.5),
+        _row("onecycle-ddp", "prodigy", "prodigy", 1.0, 2.4),
+    ]
+    table = g.markdown_tables(rows)
+    assert "#### onecycle-ddp (tuning)" in table
+    assert "| **sweep-x1** | 1 | 1 | 2.0000 (2.0000..2.0000) | +0.00% (+0.00..+0.00) |" in table
+    # def at the x0.5 LR: +1% against the best point, plain at that LR +10%.
+    assert "| def-x0.5 | 1 | 0.5 | 2.0200 (2.0200..2.0200) | +1.00% (+1.00..+1.00) | +10.00% |" in table
+    assert "| prodigy | 1 | - | 2.4000" in table
+    lines = [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| ")]
+    assert lines[1:] == ["| sweep-x0.5", "| **sweep-x1**", "| sweep-x2", "| def-x0.5", "| prodigy"]
