@@ -127,6 +127,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--fsdp", type=int, default=0, help="0: DDP; S: FSDP2 HSDP mesh (world/S, S)")
     p.add_argument("--eval-batches", type=int, default=32, help="validation batches of --batch")
+    p.add_argument(
+        "--prototype",
+        action="append",
+        default=[],
+        help="switch on a controller prototype (hdet_megatron.controller.PROTOTYPES)",
+    )
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--run-dir", required=True)
     return p.parse_args(argv)
@@ -198,6 +204,9 @@ def main(argv: list[str] | None = None) -> None:
             lambda b: lm_loss(net, b),
             lambda w: windows(splits["probe"], args.batch, args.seq, 10**9 + 7919 * rank + w),
         )
+        from gen_megatron import switch_on_prototypes
+
+        switch_on_prototypes(args.prototype)
         hdet = HDETConfig(period=args.period, auto=args.mode == "hdet")
         assert shape is not None
         sched = HDETOneCycleLR(opt, **shape, hdet=hdet, model=model, device_mesh=mesh, probe_fn=probe)

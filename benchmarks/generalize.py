@@ -46,12 +46,19 @@ import quality  # noqa: E402  (the Megatron example's run construction)
 
 NPROC = 4
 TORCH_WORKER = os.path.join(ROOT, "benchmarks", "gen_torch.py")
-PEER_LAUNCHER = os.path.join(ROOT, "benchmarks", "gen_megatron_peer.py")
+MEGATRON_LAUNCHER = os.path.join(ROOT, "benchmarks", "gen_megatron.py")
 
 #: Guesses (multiples of the best sweep LR) of the HDET, auto-off and Schedule-Free rows.
 GUESSES = (0.25, 1.0, 4.0)
 #: The first sweep: centre * 2**k, k = -2..2.
 SWEEP_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
+#: Controller prototypes (``--variants``): ``hdet_megatron.controller.PROTOTYPES`` switched on over
+#: the defaults, measured as rows ``{name}-x{g}`` at the same guesses (on the tuning tasks only).
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "lag": ("average_lag",),
+    "jk": ("jackknife_unclipped",),
+    "lagjk": ("average_lag", "jackknife_unclipped"),
+}
 #: How far a sweep may extend past its first five points looking for a bracketed best.
 MAX_EXTENSIONS = 3
 
@@ -166,6 +173,8 @@ class Run:
     lr: float
     guess: float | None
     """The LR as a multiple of the best sweep LR (None: the sweep's and Prodigy's rows)."""
+    prototypes: tuple[str, ...] = ()
+    """``proto`` rows: the controller prototypes of the variant."""
 
 
 def fmt_factor(f: float) -> str:
@@ -176,12 +185,15 @@ def sweep_runs(task: Task, factors: Sequence[float]) -> list[Run]:
     return [Run(f"sweep-x{fmt_factor(f)}", "sweep", task.center_lr * f, None) for f in factors]
 
 
-def method_runs(best_lr: float) -> list[Run]:
-    """The rows that need the best sweep LR (and Prodigy, which needs none)."""
+def method_runs(best_lr: float, variants: Sequence[str] = ()) -> list[Run]:
+    """The rows that need the best sweep LR (and Prodigy, which needs none), then the variants'."""
     runs = []
     for group in ("def", "off", "sf"):
         runs += [Run(f"{group}-x{fmt_factor(g)}", group, best_lr * g, g) for g in GUESSES]
-    return runs + [Run("prodigy", "prodigy", 1.0, None)]
+    runs.append(Run("prodigy", "prodigy", 1.0, None))
+    for name in variants:
+        runs += [Run(f"{name}-x{fmt_factor(g)}", "proto", best_lr * g, g, VARIANTS[name]) for g in GUESSES]
+    return runs
 
 
 def next_sweep_factors(done: dict[float, float]) -> list[float]:
@@ -211,12 +223,22 @@ def torch_base(task: Task, seed: int) -> list[str]:
 
 def command(task: Task, run: Run, seed: int, data_prefix: str, eval_iters: int) -> list[str]:
     """The torchrun arguments (after ``--nproc-per-node``) of one run, without ``--run-dir``."""
+    sets = [f"--prototype={name}" for name in run.prototypes]
     if task.path == "torch":
-        mode = {"sweep": "plain", "def": "hdet", "off": "hdet-off", "sf": "sf", "prodigy": "prodigy"}[
-            run.group
-        ]
-        return [TORCH_WORKER, "--mode", mode, "--lr", f"{run.lr:.6g}", *torch_base(task, seed)]
+        modes = {"sweep": "plain", "def": "hdet", "proto": "hdet", "off": "hdet-off"}
+        mode = modes.get(run.group, run.group)  # sf, prodigy
+        return [TORCH_WORKER, "--mode", mode, "--lr", f"{run.lr:.6g}", *torch_base(task, seed), *sets]
     base = megatron_base(task, seed, data_prefix, eval_iters)
+    if run.group == "proto":  # the example with the variant's prototypes switched on (benchmark only)
+        return [
+            MEGATRON_LAUNCHER,
+            *sets,
+            "--",
+            *base,
+            *quality.lr_flags(run.lr),
+            "--hdet-period",
+            str(task.period),
+        ]
     if run.group == "sweep":
         return [quality.SCRIPT, *base, *quality.lr_flags(run.lr), "--no-hdet"]
     if run.group in ("def", "off"):
@@ -225,9 +247,9 @@ def command(task: Task, run: Run, seed: int, data_prefix: str, eval_iters: int) 
     if run.group == "sf":  # constant LR from Megatron's scheduler; Schedule-Free warms up itself
         flags = ["--lr", f"{run.lr:.6g}", "--min-lr", f"{run.lr:.6g}", "--lr-decay-style", "constant"]
         flags += ["--lr-warmup-iters", "0", "--no-hdet"]
-        return [PEER_LAUNCHER, "--peer", "sf", "--peer-warmup", str(task.warmup), "--", *base, *flags]
+        return [MEGATRON_LAUNCHER, "--peer", "sf", "--peer-warmup", str(task.warmup), "--", *base, *flags]
     # Prodigy: lr 1 with the task's schedule shape (min LR = LR/10 as every run here).
-    return [PEER_LAUNCHER, "--peer", "prodigy", "--", *base, *quality.lr_flags(1.0), "--no-hdet"]
+    return [MEGATRON_LAUNCHER, "--peer", "prodigy", "--", *base, *quality.lr_flags(1.0), "--no-hdet"]
 
 
 # ------------------------------------------------------------------------------------ results
@@ -365,7 +387,7 @@ def markdown_tables(rows: list[dict]) -> str:
     over seeds with min..max), the plain sweep point at the same LR where there is one, the final
     LR scale and the wall time per run."""
     out = []
-    order = {"sweep": 0, "def": 1, "off": 2, "sf": 3, "prodigy": 4}
+    order = {"sweep": 0, "def": 1, "proto": 2, "off": 3, "sf": 4, "prodigy": 5}
     for task in TASKS.values():
         trows = [r for r in rows if r["task"] == task.name]
         if not trows:
@@ -440,6 +462,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--only", nargs="+", default=None, help="run only these rows (e.g. def-x1 prodigy); the sweep always"
     )
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=[],
+        choices=sorted(VARIANTS),
+        help="controller prototypes to run besides the defaults (rows NAME-x{guess})",
+    )
     p.add_argument("--eval-iters", type=int, default=20, help="Megatron tasks' validation batches")
     p.add_argument("--out", default="benchmarks/results/generalize")
     p.add_argument("--force", action="store_true", help="rerun finished runs")
@@ -512,7 +541,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 best = min(sweep, key=lambda f: sweep[f])
                 if next_sweep_factors(sweep):
                     log(f"{task.name} seed {seed}: sweep not bracketed after {MAX_EXTENSIONS} extensions")
-                for run in method_runs(task.center_lr * best):
+                for run in method_runs(task.center_lr * best, args.variants):
                     if args.only and run.row not in args.only:
                         continue
                     do(run)

@@ -73,6 +73,25 @@ _LOADABLE_VERSIONS = (1, 2)
 #: about values far outside it.
 NEWTON_MAX_STEP = 2.0
 
+#: Issue 35's prototypes, off unless a benchmark switches them on in its own process (not API:
+#: they are measured on the tuning tasks before any becomes a config field):
+#:
+#: * ``"average_lag"`` (``signal="average"`` with ``newton``): the averaged line is scored at
+#:   ``theta0 - s * mean_t D_t``, which under steady drift is the end line's point ``r * s``
+#:   (:func:`average_lag`); the step targets the end line's minimum, ``r`` times the averaged
+#:   line's, instead of the averaged line's, which sits about 2x above it;
+#: * ``"jackknife_unclipped"`` (noise-aware steps): the jackknife and the confidence use steps
+#:   bounded at :data:`JACKKNIFE_MAX_STEP` instead of the rule's 2x, so replicas whose fits all
+#:   land past the 2x bound still differ by what they imply (se 0 / confidence 1 only because every
+#:   fit was clipped is the collapse this removes).
+PROTOTYPES: set[str] = set()
+KNOWN_PROTOTYPES = frozenset({"average_lag", "jackknife_unclipped"})
+
+#: ``jackknife_unclipped``: the bound of the steps the jackknife compares (a factor), wide enough
+#: that fits past :data:`NEWTON_MAX_STEP` still differ, narrow enough that a near-flat fit's
+#: far-away minimum does not swamp the standard error.
+JACKKNIFE_MAX_STEP = 16.0
+
 #: The brake needs a spike or rise this many times the window's noise (the spread of the other
 #: arms' training losses) besides its relative threshold: noise alone must not cut the LR.
 BRAKE_Z = 6.0
@@ -178,9 +197,18 @@ def softmax_weights(
     return weights, excluded, sigma
 
 
-def _newton_delta(values: Sequence[float], losses: Sequence[float], center: float, additive: bool) -> float:
+def _newton_delta(
+    values: Sequence[float],
+    losses: Sequence[float],
+    center: float,
+    additive: bool,
+    lag: float = 1.0,
+    bound: float = NEWTON_MAX_STEP,
+) -> float:
     """``rule="newton"``'s Delta from the finite arms' ``(value, loss)`` pairs, relative to the
-    centre of all arms' values (0 with fewer than 3 distinct values: no quadratic)."""
+    centre of all arms' values (0 with fewer than 3 distinct values: no quadratic). ``lag``
+    multiplies a multiplicative target (the ``average_lag`` prototype); ``bound`` is the largest
+    factor allowed."""
     if len(set(values)) < 3:
         return 0.0
     lo, hi = min(values), max(values)
@@ -194,12 +222,18 @@ def _newton_delta(values: Sequence[float], losses: Sequence[float], center: floa
         return min(max(target - center, -span), span)
     if center <= 0:
         return 0.0
-    factor = target / center if target > 0 else 0.0
-    factor = min(max(factor, 1.0 / NEWTON_MAX_STEP), NEWTON_MAX_STEP)
+    factor = lag * target / center if target > 0 else 0.0
+    factor = min(max(factor, 1.0 / bound), bound)
     return math.log(factor)
 
 
-def _newton_delta_of(values: Sequence[float], losses: Sequence[float], additive: bool) -> float:
+def _newton_delta_of(
+    values: Sequence[float],
+    losses: Sequence[float],
+    additive: bool,
+    lag: float = 1.0,
+    bound: float = NEWTON_MAX_STEP,
+) -> float:
     """:func:`_newton_delta` over the arms whose loss is finite, centred on all arms' values."""
     keep = [r for r in range(len(values)) if math.isfinite(losses[r])]
     return _newton_delta(
@@ -207,7 +241,15 @@ def _newton_delta_of(values: Sequence[float], losses: Sequence[float], additive:
         [losses[r] for r in keep],
         center=math.fsum(values) / len(values),
         additive=additive,
+        lag=lag,
+        bound=bound,
     )
+
+
+def average_lag(period: int) -> float:
+    """``r = (T + 1) / (2 T)``: under steady drift the window-averaged displacement
+    ``mean_{t=1..T} D_t`` is ``r`` times the end displacement ``D_T`` (``D_t = (t / T) D_T``)."""
+    return (period + 1) / (2 * period)
 
 
 def _is_lr(axis: Axis) -> bool:
@@ -399,6 +441,13 @@ class AutoController:
         # resolve() (in __init__) filled both.
         assert cfg.meta_lr is not None and cfg.momentum is not None
         meta_lr, momentum = cfg.meta_lr, cfg.momentum
+        unknown = PROTOTYPES - KNOWN_PROTOTYPES
+        if unknown:
+            raise ValueError(
+                f"unknown controller prototypes {sorted(unknown)}; known: {sorted(KNOWN_PROTOTYPES)}"
+            )
+        lag = average_lag(cfg.period) if "average_lag" in PROTOTYPES and cfg.signal == "average" else 1.0
+        unclipped = "jackknife_unclipped" in PROTOTYPES
         deltas: dict[str, float] = {}
         raw_deltas: dict[str, float] = {}
         confidence: dict[str, float] = {}
@@ -416,7 +465,7 @@ class AutoController:
                 # Equal weights carry no information: exactly 0 (no drift from rounding).
                 delta = 0.0
             elif cfg.rule == "newton":
-                delta = _newton_delta_of(values, losses, axis.additive)
+                delta = _newton_delta_of(values, losses, axis.additive, lag=lag if name == "lr" else 1.0)
             else:
                 center = math.fsum(values) / len(values)
                 # sum_r w_r (x_r - mean): for the linear spread x_r - 1 is exact, so a neutral
@@ -425,10 +474,12 @@ class AutoController:
             raw_deltas[name] = delta
             if name == "lr" and jackknife and not uniform:
                 # Leave-one-replica-out steps; se^2 = (n-1)/n sum (d_i - mean)^2 (jackknife).
-                ds = [_newton_delta_of(values, fit.pseudo_losses, False) for fit in jackknife]
+                bound = JACKKNIFE_MAX_STEP if unclipped else NEWTON_MAX_STEP
+                ds = [_newton_delta_of(values, fit.pseudo_losses, False, lag, bound) for fit in jackknife]
                 mean = math.fsum(ds) / len(ds)
                 se = math.sqrt((len(ds) - 1) / len(ds) * math.fsum((d - mean) ** 2 for d in ds))
-                conf = delta * delta / (delta * delta + se * se) if delta != 0.0 else 0.0
+                d = _newton_delta_of(values, losses, False, lag, bound) if unclipped else delta
+                conf = d * d / (d * d + se * se) if d != 0.0 else 0.0
                 step_se[name], confidence[name] = se, conf
                 delta *= conf
             deltas[name] = delta

@@ -68,7 +68,7 @@ def test_megatron_command_lines():
     assert d[d.index("--hdet-period") + 1] == "10" and "--no-hdet-auto" not in d and "--no-hdet" not in d
     assert "--no-hdet-auto" in cmd("off-x1")
     sf = cmd("sf-x1")
-    assert sf[:5] == [g.PEER_LAUNCHER, "--peer", "sf", "--peer-warmup", "8"]
+    assert sf[:5] == [g.MEGATRON_LAUNCHER, "--peer", "sf", "--peer-warmup", "8"]
     # The last flag wins in argparse: Schedule-Free's LR is held constant by Megatron's scheduler.
     assert sf[len(sf) - 1 - sf[::-1].index("--lr-decay-style") + 1] == "constant"
     prodigy = cmd("prodigy")
@@ -112,3 +112,20 @@ def test_table_formatting_against_the_best_sweep_point():
     assert "| prodigy | 1 | - | 2.4000" in table
     lines = [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| ")]
     assert lines[1:] == ["| sweep-x0.5", "| **sweep-x1**", "| sweep-x2", "| def-x0.5", "| prodigy"]
+
+
+def test_prototype_rows_switch_the_prototypes_on_in_the_launchers():
+    runs = [r for r in g.method_runs(2e-3, ["lagjk"]) if r.group == "proto"]
+    assert [r.row for r in runs] == ["lagjk-x0.25", "lagjk-x1", "lagjk-x4"]
+    on = ["--prototype=average_lag", "--prototype=jackknife_unclipped"]
+    torch_cmd = g.command(g.TASKS["onecycle-ddp"], runs[1], 1, "", 20)
+    assert torch_cmd[torch_cmd.index("--mode") + 1] == "hdet" and torch_cmd[-2:] == on
+    meg = g.command(g.TASKS["megatron-8x"], runs[1], 1, "P", 20)
+    assert meg[:4] == [g.MEGATRON_LAUNCHER, *on, "--"] and meg[meg.index("--hdet-period") + 1] == "10"
+    assert set(g.VARIANTS["lagjk"]) <= g_controller_known()
+
+
+def g_controller_known() -> set[str]:
+    from hdet_megatron.controller import KNOWN_PROTOTYPES
+
+    return set(KNOWN_PROTOTYPES)

@@ -1,12 +1,20 @@
-"""The Megatron example with a peer optimizer: Schedule-Free AdamW or Prodigy (benchmark only).
+"""The Megatron example with one benchmark-only change: a peer optimizer, or a controller prototype.
 
-    torchrun --nproc-per-node 4 benchmarks/gen_megatron_peer.py --peer sf --peer-warmup 8 -- \
+    torchrun --nproc-per-node 4 benchmarks/gen_megatron.py --peer sf --peer-warmup 8 -- \
         <pretrain_gpt.py flags, with --no-hdet>
+    torchrun --nproc-per-node 4 benchmarks/gen_megatron.py --prototype average_lag -- \
+        <pretrain_gpt.py flags with HDET>
 
-Runs ``examples/pretrain_gpt/pretrain_gpt.py``'s ``main`` unchanged except for one thing: the
-torch optimizer that Megatron-Core's ``get_megatron_optimizer`` wraps (``torch.optim.AdamW`` on
-CPU) is replaced, after Megatron built it, by the peer over the same parameter groups (so
-Megatron's gradient clipping, its fp32 wrapper and its LR scheduler stay as they are):
+Runs ``examples/pretrain_gpt/pretrain_gpt.py``'s ``main`` unchanged except for one thing.
+
+``--prototype NAME`` (repeatable) switches on one of the controller's prototypes
+(``hdet_megatron.controller.PROTOTYPES``) in this process: measured on the example without a
+product flag for it.
+
+``--peer``: the torch optimizer that Megatron-Core's ``get_megatron_optimizer`` wraps
+(``torch.optim.AdamW`` on CPU) is replaced, after Megatron built it, by the peer over the same
+parameter groups (so Megatron's gradient clipping, its fp32 wrapper and its LR scheduler stay as
+they are):
 
 - ``sf``: ``schedulefree.AdamWScheduleFree(lr=--lr, warmup_steps=--peer-warmup)``; give the
   example ``--lr-decay-style constant --lr-warmup-iters 0`` so Megatron's scheduler holds the LR
@@ -16,7 +24,7 @@ Megatron's gradient clipping, its fp32 wrapper and its LR scheduler stay as they
   and the task's schedule: Megatron's scheduler then multiplies Prodigy's adapted step by the
   schedule's shape.
 
-Only plain Megatron (``--no-hdet``) and the non-distributed optimizer are supported (both
+A peer runs only plain Megatron (``--no-hdet``) with the non-distributed optimizer (both
 checked). The product is not touched: the swap lives in this process only. The run directory
 gets ``peer.json`` naming the optimizer that trained, so a result cannot silently come from AdamW.
 """
@@ -59,18 +67,27 @@ def build_peer(name: str, inner, warmup: int):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--peer", choices=("sf", "prodigy"), required=True)
+    p.add_argument("--peer", choices=("sf", "prodigy"), default=None)
     p.add_argument("--peer-warmup", type=int, default=0, help="Schedule-Free's warmup_steps")
+    p.add_argument("--prototype", action="append", default=[], help="controller prototype to switch on")
     p.add_argument("example_args", nargs=argparse.REMAINDER)
     args = p.parse_args()
     argv = [a for a in args.example_args if a != "--"]
-    if "--no-hdet" not in argv or "--use-distributed-optimizer" in argv:
+    if (args.peer is None) == (not args.prototype):
+        raise SystemExit("give exactly one of --peer and --prototype")
+    if args.peer and ("--no-hdet" not in argv or "--use-distributed-optimizer" in argv):
         raise SystemExit(
             "a peer optimizer runs plain Megatron: give --no-hdet, no --use-distributed-optimizer"
         )
     sys.path.insert(0, EXAMPLE)
     import gpt_trainer
     import pretrain_gpt
+
+    if args.prototype:
+        if "--no-hdet" in argv:
+            raise SystemExit("--prototype needs an HDET run (no --no-hdet)")
+        switch_on_prototypes(args.prototype)
+        return finish(pretrain_gpt.main(argv))
 
     import hdet_megatron.megatron  # noqa: F401  (the CPU shims megatron.core needs, first)
 
@@ -112,6 +129,22 @@ def main() -> int:
             record["d"] = [p.param_groups[0].get("d") for p in peers]
         with open(os.path.join(run_dir, "peer.json"), "w") as f:
             json.dump(record, f)
+    return finish(code)
+
+
+def switch_on_prototypes(names: list[str]) -> None:
+    """Switch the named controller prototypes on in this process (unknown names refused)."""
+    from hdet_megatron import controller
+
+    unknown = set(names) - controller.KNOWN_PROTOTYPES
+    if unknown:
+        raise SystemExit(
+            f"unknown --prototype {sorted(unknown)}; known: {sorted(controller.KNOWN_PROTOTYPES)}"
+        )
+    controller.PROTOTYPES.update(names)
+
+
+def finish(code: int) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     if code != 0:

@@ -1,0 +1,81 @@
+"""Issue 35's controller prototypes (``hdet_megatron.controller.PROTOTYPES``, off unless a
+benchmark switches them on): ``average_lag`` (the ``average`` line's minimum moved to the end
+line's) and ``jackknife_unclipped`` (a confidence that cannot reach 1 only because every
+replica's fit was clipped)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hdet_megatron import controller
+from hdet_megatron.config import HDETConfig
+from hdet_megatron.controller import NEWTON_MAX_STEP, AutoController, average_lag
+from hdet_megatron.line_signal import fit_line
+
+RHO = [0.7, 0.9, 1.1, 1.3]
+
+
+@pytest.fixture
+def prototypes(monkeypatch):
+    """The module's switch, restored after the test."""
+    switch: set[str] = set()
+    monkeypatch.setattr(controller, "PROTOTYPES", switch)
+    return switch
+
+
+def _controller(signal: str = "average") -> AutoController:
+    cfg = HDETConfig(period=10, signal=signal, start_scale=1.0, brake=False, momentum=0.0)
+    return AutoController(cfg, 4, probe_available=True)
+
+
+def _line(minima: list[float]):
+    """One replica row per minimum: f(s) = (s - m)^2 at the arms' multipliers."""
+    rows = [[(p - m) ** 2 for p in RHO] for m in minima]
+    means = [math.fsum(col) / len(rows) for col in zip(*rows, strict=True)]
+    return fit_line(RHO, means, RHO, 1.0, rows)
+
+
+def test_average_lag_is_the_mean_displacement_under_steady_drift():
+    assert average_lag(1) == 1.0
+    assert average_lag(10) == pytest.approx(0.55)
+    # mean_{t=1..T} t/T, the averaged iterate's displacement as a fraction of the end's.
+    assert average_lag(20) == pytest.approx(sum(t / 20 for t in range(1, 21)) / 20)
+
+
+def test_off_by_default_and_unknown_names_refused(prototypes):
+    assert controller.PROTOTYPES == set()
+    prototypes.add("no_such_thing")
+    line = _line([1.2] * 4)
+    with pytest.raises(ValueError, match="unknown controller prototypes"):
+        _controller().update(line.pseudo_losses, {"lr": RHO}, step=10, line=line)
+
+
+def test_average_lag_targets_r_times_the_average_lines_minimum(prototypes):
+    line = _line([1.6] * 4)  # the averaged line's minimum at 1.6
+    plain = _controller().update(line.pseudo_losses, {"lr": RHO}, step=10, line=line)
+    prototypes.add("average_lag")
+    lagged = _controller().update(line.pseudo_losses, {"lr": RHO}, step=10, line=line)
+    assert plain.raw_deltas["lr"] == pytest.approx(math.log(1.6))
+    assert lagged.raw_deltas["lr"] == pytest.approx(math.log(1.6 * 0.55))  # 0.88: down, not up
+    # Only the average signal is lagged (the line signal scores the end iterate itself).
+    up = _controller("line").update(line.pseudo_losses, {"lr": RHO}, step=10, line=line)
+    assert up.raw_deltas["lr"] == pytest.approx(math.log(1.6))
+
+
+def test_clipped_fits_no_longer_give_full_confidence(prototypes):
+    # Every replica's minimum lies past the 2x bound, at different places.
+    line = _line([2.5, 3.0, 4.0, 6.0])
+    clipped = _controller().update(line.pseudo_losses, {"lr": RHO}, step=10, line=line)
+    assert clipped.raw_deltas["lr"] == pytest.approx(math.log(NEWTON_MAX_STEP))
+    assert clipped.step_se["lr"] == 0.0 and clipped.confidence["lr"] == 1.0  # the collapse
+    prototypes.add("jackknife_unclipped")
+    wide = _controller().update(line.pseudo_losses, {"lr": RHO}, step=10, line=line)
+    assert wide.raw_deltas["lr"] == pytest.approx(math.log(NEWTON_MAX_STEP))  # the step is still bounded
+    assert wide.step_se["lr"] > 0.0 and wide.confidence["lr"] < 1.0
+    assert wide.deltas["lr"] == pytest.approx(wide.confidence["lr"] * math.log(NEWTON_MAX_STEP))
+    # Replicas that agree keep a high confidence.
+    agree = _line([3.0] * 4)
+    up = _controller().update(agree.pseudo_losses, {"lr": RHO}, step=10, line=agree)
+    assert up.confidence["lr"] == 1.0
