@@ -1,8 +1,19 @@
 """Run a function on N local gloo ranks, with tracebacks and a hard timeout.
 
-Ranks are forked from a *forkserver* that has already imported torch, megatron.core and the CPU
-shims, so each world costs a fork instead of a ~5 s megatron import per process. The forkserver
-itself never runs torch ops, which keeps forking safe.
+How ranks start (:func:`start_method`):
+
+* Without CUDA (the CPU suite): forked from a *forkserver* that has already imported torch,
+  megatron.core and the CPU shims, so each world costs a fork instead of a ~5 s megatron import
+  per process. The forkserver itself never runs torch ops, which keeps forking safe on CPU.
+* Where CUDA is available: *spawned* (fresh interpreters, each paying the import). A forked
+  child can never initialise CUDA once its parent has touched it, and the preload does touch
+  it: ``apply_cpu_shims`` asks ``torch.cuda.is_available()``, which (without
+  ``PYTORCH_NVML_BASED_CUDA_CHECK=1``) calls ``cudaGetDeviceCount`` and marks every later fork as
+  bad; in the rank, Megatron's ``model_parallel_cuda_manual_seed`` (``torch.cuda.get_rng_state``)
+  and ``torch.optim.Adam.step`` (``torch.cuda.graphs.is_current_stream_capturing``) then fail
+  with "Cannot re-initialize CUDA in forked subprocess" / "CUDA error: initialization error".
+
+``HDET_TEST_START_METHOD=spawn`` (or ``forkserver``) overrides the choice.
 
 Usage::
 
@@ -28,20 +39,37 @@ from collections.abc import Callable
 from typing import Any
 
 PRELOAD = ["torch", "hdet_megatron.megatron.preload"]
+START_METHODS = ("forkserver", "spawn")
+START_METHOD_ENV = "HDET_TEST_START_METHOD"
 
-_CTX = None
+_CONTEXTS: dict[str, Any] = {}
 
 
 class WorldFailed(AssertionError):
     """One or more ranks failed or the world timed out."""
 
 
+def start_method() -> str:
+    """``spawn`` where CUDA is available (ranks must be able to initialise it), else
+    ``forkserver`` (fast); ``$HDET_TEST_START_METHOD`` overrides."""
+    forced = os.environ.get(START_METHOD_ENV)
+    if forced:
+        if forced not in START_METHODS:
+            raise ValueError(f"{START_METHOD_ENV}={forced!r}: use one of {', '.join(START_METHODS)}")
+        return forced
+    import torch
+
+    return "spawn" if torch.cuda.is_available() else "forkserver"
+
+
 def _context():
-    global _CTX
-    if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(PRELOAD)
-    return _CTX
+    method = start_method()
+    if method not in _CONTEXTS:
+        ctx = mp.get_context(method)
+        if method == "forkserver":
+            ctx.set_forkserver_preload(PRELOAD)
+        _CONTEXTS[method] = ctx
+    return _CONTEXTS[method]
 
 
 def free_port() -> int:
@@ -85,7 +113,8 @@ def run_world(
     threads: int = 1,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks."""
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks, started as
+    :func:`start_method` says."""
     ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hdet-world-") as tmp:

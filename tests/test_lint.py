@@ -4,7 +4,9 @@ The repository's own Makefile and pyproject.toml are copied into a temporary tre
 small module of the package (``hdet_megatron/schedule.py``, on the strict type-checked floor,
 no torch import: mypy stays fast). The clean copy passes ``make lint``; each injected error makes
 ``make test`` stop at the lint step, before pytest starts. ``setup`` is not remade there
-(``make -o setup``): the tools come from this interpreter's environment.
+(``make -o setup``): the tools come from this interpreter's environment. Where they are not
+installed there (pytest run with an image's own Python, without the ``dev`` extra), the tests
+skip and say which tool is missing; ``make test`` installs them (``make setup``) and runs them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,22 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 VENV = Path(sys.executable).parent.parent  # the environment running these tests (.venv)
 MODULE = "hdet_megatron/schedule.py"
+
+
+def missing_tools(tools: tuple[str, ...], bin_dir: Path = VENV / "bin") -> list[str]:
+    """Which of ``tools`` are not installed: ``make`` on the PATH, the linters in ``bin_dir``
+    (where the Makefile's ``$(VENV)/bin/...`` looks for them)."""
+    return [t for t in tools if not (shutil.which(t) if t == "make" else (bin_dir / t).is_file())]
+
+
+def _needs(*tools: str) -> pytest.MarkDecorator:
+    missing = missing_tools(tools)
+    return pytest.mark.skipif(
+        bool(missing),
+        reason=f"{', '.join(missing)} not installed for {sys.executable} "
+        "(`make test` installs and runs them)",
+    )
+
 
 # (name, code appended to the module, text the failing step prints)
 INJECTED = [
@@ -67,6 +85,13 @@ def clean_tree(tmp_path_factory) -> Path:
     return _tree(tmp_path_factory.mktemp("lint-tree"))
 
 
+def test_missing_tools_are_named(tmp_path):
+    (tmp_path / "ruff").write_text("")
+    assert missing_tools(("ruff", "mypy"), bin_dir=tmp_path) == ["mypy"]
+    assert missing_tools(("ruff",), bin_dir=tmp_path) == []
+
+
+@_needs("make", "ruff", "mypy")
 def test_make_lint_passes_on_the_clean_copy(clean_tree):
     r = _make(clean_tree, "lint")
     out = r.stdout + r.stderr
@@ -76,6 +101,7 @@ def test_make_lint_passes_on_the_clean_copy(clean_tree):
     assert "Success: no issues found in 2 source files" in out, out
 
 
+@_needs("make", "ruff", "mypy")
 @pytest.mark.parametrize("name,code,marker", INJECTED, ids=[case[0] for case in INJECTED])
 def test_make_test_stops_at_lint_on_an_injected_error(clean_tree, tmp_path, name, code, marker):
     root = tmp_path / "tree"
@@ -90,6 +116,7 @@ def test_make_test_stops_at_lint_on_an_injected_error(clean_tree, tmp_path, name
     assert "-m pytest" not in out, out  # ...and pytest never started
 
 
+@_needs("ruff")
 def test_repository_passes_ruff():
     """The checkout itself is lint- and format-clean (ruff: under a second; `make lint` adds mypy),
     so ``make test-fast`` catches what ``make test`` would."""
