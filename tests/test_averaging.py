@@ -232,3 +232,137 @@ def test_requires_process_group():
         pytest.skip("a process group is initialized in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         BucketedAverager([torch.zeros(2)])
+
+
+# -- the copying path against the per-segment arithmetic it replaced (issue 36) ----------------
+
+#: (numel, dtype): odd sizes, every dtype, two tensors over 1 MiB of bucket bytes (divided
+#: straight into the tensor) between runs of small ones (divided in place, copied out).
+COPY_SHAPES = [
+    (7, torch.float32),
+    (262_147, torch.float32),
+    (13, torch.bfloat16),
+    (1, torch.float16),
+    (5, torch.float64),
+    (2, torch.float32),
+    (262_151, torch.bfloat16),
+    (33, torch.float16),
+    (11, torch.float32),
+    (3, torch.float64),
+    (0, torch.float32),
+    (9, torch.bfloat16),
+]
+
+
+def _copy_data(seed: int, small_only: bool = False, device: str = "cpu") -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for numel, dtype in COPY_SHAPES:
+        if small_only and numel > 1000:
+            continue
+        t = torch.randn(numel, generator=gen, dtype=torch.float64) * 3
+        if numel > 2:
+            t[1], t[2] = float("nan"), float("inf")  # an excluded rank's values must not leak
+        out.append(t.to(device=device, dtype=dtype))
+    return out
+
+
+def _old_pack(avg: BucketedAverager, i: int, weight, tensors) -> None:
+    """The pack as it was before issue 36: one copy_ per segment, views sliced at every call."""
+    b = avg._buckets[i]
+    data = avg._view(i)[: b.numel]
+    if isinstance(weight, float) and weight == 0.0:
+        data.zero_()
+        return
+    for s in b.segments:
+        flat = tensors[s.tensor].view(-1)
+        data[s.bucket_offset : s.bucket_offset + s.numel].copy_(
+            flat[s.tensor_offset : s.tensor_offset + s.numel]
+        )
+    if isinstance(weight, torch.Tensor):
+        data.mul_(weight)
+        data.masked_fill_(weight == 0, 0.0)
+    elif weight is not None and weight != 1.0:
+        data.mul_(weight)
+
+
+def _old_unpack(avg: BucketedAverager, i: int, divisor, tensors) -> None:
+    """The divide-unpack as it was: one torch.div(..., out=tensor slice) per segment."""
+    b = avg._buckets[i]
+    data = avg._view(i)[: b.numel]
+    for s in b.segments:
+        flat = tensors[s.tensor].view(-1)
+        torch.div(
+            data[s.bucket_offset : s.bucket_offset + s.numel],
+            divisor,
+            out=flat[s.tensor_offset : s.tensor_offset + s.numel],
+        )
+
+
+def copy_path_world(rank, world, device="cpu"):
+    """New pack/unpack and the old per-segment code on the same layout and the same values, with
+    a stand-in for the all-reduce applied identically to both buckets: same bits everywhere.
+    tests/test_gpu.py runs it on CUDA tensors."""
+    cases = 0
+    paths = {"divide_into": 0, "runs": 0, "pack_groups": 0}
+    base = {small_only: _copy_data(7, small_only, device) for small_only in (False, True)}
+    # Tiny buckets (52 bytes: tensors split over many) with the small tensors only: a bucket
+    # costs a few kernels here, and 52-byte buckets over the 2.3 MB would be 44,000 of them.
+    for bucket_mb, small_only in ((40.0, False), (1.5, False), (0.3, False), (52 / 2**20, True)):
+        for weight, divisor in (
+            (None, 4.0),
+            (None, 3.0),  # not a power of two: the quotient rounds
+            (1.0, 7.0),
+            (0.37, 2.9),
+            (0.0, 3.0),  # excluded: zeros in, the others' mean out
+            (torch.tensor(0.61, device=device), torch.tensor(2.3, device=device)),
+            (torch.tensor(0.0, device=device), torch.tensor(5.0, device=device)),
+        ):
+            new, old = ([t.clone() for t in base[small_only]] for _ in range(2))
+            a = BucketedAverager(new, bucket_mb=bucket_mb, num_buffers=2)
+            b = BucketedAverager(old, bucket_mb=bucket_mb, num_buffers=2)
+            assert a.homed_numel == 0 and a.num_buckets == b.num_buckets
+            for i in range(a.num_buckets):
+                a._pack(i, weight)
+                _old_pack(b, i, weight, old)
+                got, want = a._view(i)[: a._buckets[i].numel], b._view(i)[: b._buckets[i].numel]
+                assert _bits([got]) == _bits([want]), ("pack", bucket_mb, weight, i)
+                for bucket in (got, want):  # stands in for the all-reduce: same values, same ops
+                    gen = torch.Generator().manual_seed(i)
+                    noise = torch.randn(bucket.shape, generator=gen, dtype=torch.float64).to(bucket)
+                    bucket.nan_to_num_(0.0).mul_(3).add_(noise)
+                a._unpack(i, divisor)
+                _old_unpack(b, i, divisor, old)
+            assert _bits(new) == _bits(old), (bucket_mb, weight, divisor)
+            for plan in a._plans.values():
+                paths["divide_into"] += len(plan.divide_into)
+                paths["runs"] += len(plan.runs)
+                paths["pack_groups"] += len(plan.pack)
+            cases += 1
+
+    # The cached views follow a tensor whose storage was replaced (module.to(), load with
+    # assign=True); a tensor that changed size is refused, as before.
+    data = _copy_data(3, device=device)
+    avg = BucketedAverager(data, bucket_mb=0.3)
+    for i in range(avg.num_buckets):
+        avg._plan(i)
+    data[1].data = data[1].data.clone()
+    moved = data[1]
+    for i in range(avg.num_buckets):
+        avg._pack(i, None)
+        avg._view(i)[: avg._buckets[i].numel].fill_(6.0)
+        avg._unpack(i, 2.0)
+    assert torch.equal(moved, torch.full_like(moved, 3.0))
+    data[0].data = torch.zeros(8, device=device)
+    with pytest.raises(RuntimeError, match="tensor 0 changed since the BucketedAverager was built"):
+        avg._pack(0, None)
+    return cases, paths
+
+
+def test_copying_path_bits_match_the_per_segment_code():
+    """Issue 36: the copying path's views built once, multi-tensor pack, runs of small segments
+    divided in place and copied out give the bits of the per-segment code it replaced (odd sizes,
+    fp32/bf16/fp16/fp64, plain/weighted/excluded, divisors that round), and every new path ran."""
+    ((cases, paths),) = run_world(1, copy_path_world, timeout=120)
+    assert cases == 4 * 7
+    assert paths["divide_into"] > 0 and paths["runs"] > 0 and paths["pack_groups"] > paths["runs"]

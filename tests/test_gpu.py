@@ -286,6 +286,19 @@ def test_bucketed_averager_on_cuda_tensors(tmp_path):
 
 
 @pytest.mark.gpu
+def test_copying_path_bits_match_the_per_segment_code_on_cuda():
+    """Issue 36's copying path (views built once, multi-tensor pack, small runs divided in place
+    and copied out) against the per-segment code it replaced, on CUDA tensors: the division by
+    a host scalar is a multiply by its reciprocal on CUDA (a true division on CPU), and every
+    path must take the same one."""
+    from tests.harness import run_world
+    from tests.test_averaging import copy_path_world
+
+    ((cases, paths),) = run_world(1, copy_path_world, "cuda", timeout=180)
+    assert cases == 4 * 7 and paths["divide_into"] > 0 and paths["runs"] > 0
+
+
+@pytest.mark.gpu
 def test_hdet_one_cycle_lr_on_cuda(tmp_path):
     """The torch-native scheduler on CUDA params: arms diverge inside a window, agree bit for bit
     after each converge, and a non-converge step makes no host sync from hdet_megatron."""
