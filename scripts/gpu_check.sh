@@ -2,29 +2,43 @@
 # The GPU check: one prepared script for a machine with one (or more) NVIDIA GPUs and an
 # NGC-like Python (torch, and ideally Transformer Engine, preinstalled). See docs/gpu.md.
 #
-#   bash scripts/gpu_check.sh             # set up, then run every stage (about 6-8 minutes)
+#   bash scripts/gpu_check.sh             # set up, then run the stages (at most 9 minutes)
 #   bash scripts/gpu_check.sh --dry-run   # print every command and its environment; run nothing
 #
 # Setup installs only what is missing and never touches an installed torch:
 #   megatron-core==0.19.2 (--no-deps) if absent, einops/psutil/pytest if absent, then
 #   `pip install --no-deps --no-build-isolation -e .`. With WHEELS=DIR (default: .gpu-wheels if
 #   it exists) pip works offline from that directory (--no-index --find-links DIR).
-# Stages, in this order (each time-boxed; the whole run stays within GPU_CHECK_BUDGET_S, default
-# 480 s; the measurements first, the tests last with what is left):
+# Stages, most valuable first (each time-boxed; the whole run stays within GPU_CHECK_BUDGET_S,
+# default 540 s, so that it fits one 10-minute command; a stage that no longer fits is skipped
+# and recorded as such):
 #   1. converge         benchmarks/gpu_converge.py: 1 and 4 GB of fp32 main params, the
 #                       averager's memory passes vs a device-to-device copy measured in the run
-#   2. example_1rank    examples/pretrain_gpt/pretrain_gpt.py, 1 rank, NCCL, Transformer Engine
-#                       layer spec, bf16, distributed optimizer, plain Megatron (--no-hdet)
-#   3. example_hdet     the same model on 2 ranks sharing the GPU: gloo with CUDA tensors
-#                       (NCCL refuses two ranks on one device), HDET with 2 arms, DistOpt
-#                       with one instance per arm
-#   4. example_plain    stage 3 without HDET (--no-hdet): tokens/s with vs without HDET
-#   5. overhead         benchmarks/overhead.py --device cuda: HDET's step overhead (2 ranks on
+#                       (the copying path, and the per-segment code it replaced, side by side)
+#   2. quality_*        auto-LR quality on the device: the example (4 ranks sharing the GPU over
+#                       gloo, bf16, DistOpt, hidden 256, 250 iterations, the default corpus) as
+#                       a 5-point peak-LR sweep of plain runs (quality_plain_0..4, --no-hdet),
+#                       then HDET with the auto-LR defaults from best/4, best and 4x best
+#                       (quality_auto_low/best/high), best being the sweep's lowest validation
+#                       loss; table in quality.json (about 40 s a run on an H200)
+#   3. gpu_tests        pytest -m gpu (the CUDA-path tests; skipped ones are listed)
+#   4. example_hdet     examples/pretrain_gpt/pretrain_gpt.py on 2 ranks sharing the GPU: gloo
+#                       with CUDA tensors (NCCL refuses two ranks on one device), HDET with 2
+#                       arms, Transformer Engine layer spec, bf16, DistOpt (one instance per arm)
+#   5. example_plain    stage 4 without HDET (--no-hdet): tokens/s with vs without HDET
+#   6. overhead         benchmarks/overhead.py --device cuda: HDET's step overhead (2 ranks on
 #                       the GPU over gloo, bf16, DistOpt, TE spec)
-#   6. gpu_tests        pytest -m gpu (the CUDA-path tests; skipped ones are listed)
+#   7. example_1rank    the example on 1 rank, NCCL, plain Megatron (--no-hdet)
+# Knobs: GPU_CHECK_BUDGET_S (540), GPU_CHECK_ITERS (iterations of stages 4, 5 and 7: 150);
+#   for the quality stage GPU_CHECK_QUALITY_ITERS (250), GPU_CHECK_QUALITY_PERIOD (HDET's period,
+#   20), GPU_CHECK_QUALITY_LRS (the sweep, "1e-3 2e-3 4e-3 8e-3 1.6e-2"), GPU_CHECK_QUALITY_RANKS
+#   (4), GPU_CHECK_QUALITY_MODEL and GPU_CHECK_QUALITY_DEVICE (the runs' model and device flags),
+#   GPU_CHECK_QUALITY_DATA (a --data-path prefix instead of the default corpus) and
+#   GPU_CHECK_QUALITY_RUN_MIN_S (45: a run starts only with this much of the budget left).
 # Results: JSON under $OUT (default: ./gpu-check-results): gpu_check.json (environment, every
-# stage's command, exit code, seconds and status, tokens/s of the example runs), the stages'
-# own JSON (gpu_converge.json, overhead.json, example metrics), logs/<stage>.log.
+# stage's command, exit code, seconds and status, tokens/s of the example runs, the quality
+# table), the stages' own JSON (gpu_converge.json, quality.json, overhead.json, example and
+# quality runs' metrics), logs/<stage>.log.
 set -uo pipefail
 
 DRY_RUN=0
@@ -41,8 +55,8 @@ cd "$ROOT" || exit 2
 PY=${PYTHON:-python}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 OUT_DIR=${OUT:-$ROOT/gpu-check-results}
-BUDGET=${GPU_CHECK_BUDGET_S:-480}
-ITERS=${GPU_CHECK_ITERS:-300}
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
+ITERS=${GPU_CHECK_ITERS:-150}
 WHEELS=${WHEELS:-}
 if [ -z "$WHEELS" ] && [ -d "$ROOT/.gpu-wheels" ]; then WHEELS=$ROOT/.gpu-wheels; fi
 NGPU=${GPU_CHECK_NGPU:-}
@@ -70,6 +84,19 @@ MODEL=(--mock-data --num-layers 4 --hidden-size 512 --num-attention-heads 8 --se
        --eval-iters 0 --quiet)
 GPU_FLAGS=(--transformer-impl transformer_engine --bf16 --use-distributed-optimizer)
 
+# The quality stage: the setup of the auto-LR runs made on an H200 on 2026-12-04 (BENCHMARKS.md,
+# "GPU"), now with a sweep beside them. The peak LR and --min-lr (LR / 10) are per run.
+QUALITY_ITERS=${GPU_CHECK_QUALITY_ITERS:-250}
+read -r -a QUALITY_LRS <<< "${GPU_CHECK_QUALITY_LRS:-1e-3 2e-3 4e-3 8e-3 1.6e-2}"
+read -r -a QUALITY_MODEL <<< "${GPU_CHECK_QUALITY_MODEL:---num-layers 4 --hidden-size 256 \
+    --num-attention-heads 4 --seq-length 256 --micro-batch-size 8 --global-batch-size 64 \
+    --lr-decay-style cosine --lr-warmup-iters 15 --split 90,5,5 --eval-iters 10 --log-interval 50}"
+QUALITY_RANKS=${GPU_CHECK_QUALITY_RANKS:-4}
+read -r -a QUALITY_DEVICE <<< "${GPU_CHECK_QUALITY_DEVICE:---distributed-backend gloo --device cuda}"
+QUALITY_PERIOD=${GPU_CHECK_QUALITY_PERIOD:-20}
+QUALITY_DATA=${GPU_CHECK_QUALITY_DATA:-}  # empty: the default corpus, prepared by the stage
+QUALITY_RUN_MIN_S=${GPU_CHECK_QUALITY_RUN_MIN_S:-45}
+
 START=$(date +%s)
 mkdir_out() { [ "$DRY_RUN" = 1 ] || mkdir -p "$OUT_DIR/logs"; }
 elapsed() { echo $(( $(date +%s) - START )); }
@@ -87,7 +114,7 @@ stage() {
         return 0
     fi
     local left=$(( BUDGET - $(elapsed) ))
-    if [ "$left" -lt 30 ]; then
+    if [ "$left" -lt "${STAGE_MIN_S:-30}" ]; then
         say "$name: skipped (budget of ${BUDGET}s spent)"
         printf '{"stage": "%s", "status": "skipped", "reason": "budget"}\n' "$name" >> "$OUT_DIR/stages.jsonl"
         return 0
@@ -187,10 +214,12 @@ main() {
         GPU_FLAGS=(--transformer-impl local --bf16 --use-distributed-optimizer)
     fi
     local ex=examples/pretrain_gpt/pretrain_gpt.py
+    # Most valuable first: what only a device can tell, then the checks, then the repeats.
     stage converge 120 "${TORCHRUN[@]}" --nproc-per-node "$NGPU" benchmarks/gpu_converge.py \
         --gb 1 4 --reps 7 --out "$OUT_DIR"
-    stage example_1rank 120 "${TORCHRUN[@]}" --nproc-per-node 1 "$ex" "${MODEL[@]}" "${GPU_FLAGS[@]}" \
-        --distributed-backend nccl --no-hdet --train-iters "$ITERS" --run-dir "$OUT_DIR/example_1rank"
+    quality
+    stage gpu_tests 240 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider \
+        --continue-on-collection-errors --junitxml "$OUT_DIR/gpu_tests.xml" tests
     stage example_hdet 150 "${TORCHRUN[@]}" --nproc-per-node 2 "$ex" "${MODEL[@]}" "${GPU_FLAGS[@]}" \
         --distributed-backend gloo --device cuda --hdet-period 25 --train-iters "$ITERS" \
         --run-dir "$OUT_DIR/example_hdet"
@@ -200,14 +229,14 @@ main() {
     stage overhead 150 "${TORCHRUN[@]}" --nproc-per-node 2 benchmarks/overhead.py --device cuda \
         --backend gloo --tp 1 --bf16 --dist-opt --transformer-impl "$impl" --layers 4 --hidden 512 \
         --seq 512 --blocks 10 --block 5 --converges 5 --out "$OUT_DIR"
-    stage gpu_tests 240 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider \
-        --continue-on-collection-errors --junitxml "$OUT_DIR/gpu_tests.xml" tests
+    stage example_1rank 120 "${TORCHRUN[@]}" --nproc-per-node 1 "$ex" "${MODEL[@]}" "${GPU_FLAGS[@]}" \
+        --distributed-backend nccl --no-hdet --train-iters "$ITERS" --run-dir "$OUT_DIR/example_1rank"
     summarize
 }
 
 summarize() {
     if [ "$DRY_RUN" = 1 ]; then
-        echo "[dry-run] summary: $PY - > $OUT_DIR/gpu_check.json  (environment, stages.jsonl, example tokens/s, converge and overhead JSON)"
+        echo "[dry-run] summary: $PY - > $OUT_DIR/gpu_check.json  (environment, stages.jsonl, example tokens/s, converge, quality and overhead JSON)"
         return 0
     fi
     "$PY" - "$OUT_DIR" "$(elapsed)" <<'EOF'
@@ -233,16 +262,141 @@ for run in ("example_1rank", "example_hdet", "example_plain"):
 summary = {
     "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     "seconds": seconds, "environment": load("environment.json"), "stages": stages,
-    "examples": examples, "converge": load("gpu_converge.json"), "overhead": load("overhead.json"),
+    "examples": examples, "converge": load("gpu_converge.json"), "quality": load("quality.json"),
+    "overhead": load("overhead.json"),
 }
 with open(os.path.join(out, "gpu_check.json"), "w") as f:
     json.dump(summary, f, indent=2)
 print(f"[gpu_check] {sum(s.get('status') == 'ok' for s in stages)}/{len(stages)} stages ok in {seconds} s; "
       f"summary {os.path.join(out, 'gpu_check.json')}")
 for s in stages:
-    print(f"    {s['stage']:14s} {s['status']:8s} {s.get('seconds', '-')} s")
+    print(f"    {s['stage']:18s} {s['status']:8s} {s.get('seconds', '-')} s")
 for run, e in examples.items():
     print(f"    {run:14s} {e['tokens_per_s']:,.0f} tokens/s over {e['steps']} iterations, final loss {e['train_loss']:.3f}")
+EOF
+}
+
+# -- quality: a peak-LR sweep of plain runs, then the auto-LR defaults from best/4, best, 4x ------
+# lr_times LR FACTOR: LR * FACTOR in %g notation (awk: the dry run executes no python).
+lr_times() { awk -v x="$1" -v f="$2" 'BEGIN { printf "%g", x * f }'; }
+
+# quality_run NAME LR FLAGS...: one run of the example under the stage runner, into
+# $OUT_DIR/quality/NAME. It starts only with QUALITY_RUN_MIN_S of the budget left.
+quality_run() {
+    local name=$1 lr=$2
+    shift 2
+    STAGE_MIN_S=$QUALITY_RUN_MIN_S stage "$name" 150 "${TORCHRUN[@]}" --nproc-per-node "$QUALITY_RANKS" \
+        examples/pretrain_gpt/pretrain_gpt.py "${QUALITY_MODEL[@]}" "${GPU_FLAGS[@]}" "${QUALITY_DEVICE[@]}" \
+        --data-path "$QUALITY_DATA" --train-iters "$QUALITY_ITERS" --eval-interval "$QUALITY_ITERS" \
+        --lr "$lr" --min-lr "$(lr_times "$lr" 0.1)" "$@" --run-dir "$OUT_DIR/quality/$name"
+}
+
+quality() {
+    if [ -z "$QUALITY_DATA" ]; then
+        if [ "$DRY_RUN" = 1 ]; then
+            echo "[dry-run] quality data: $PY examples/pretrain_gpt/prepare_data.py --default-corpus --print-prefix"
+            QUALITY_DATA='<default-corpus-prefix>'
+        else
+            # The default corpus (this Python's standard library, byte-level), cached.
+            QUALITY_DATA=$(env "${STAGE_ENV[@]}" timeout 120 "$PY" examples/pretrain_gpt/prepare_data.py \
+                --default-corpus --print-prefix 2> "$OUT_DIR/logs/quality_data.log")
+            if [ -z "$QUALITY_DATA" ]; then
+                say "quality: the default corpus could not be prepared (logs/quality_data.log); skipped"
+                printf '{"stage": "quality", "status": "skipped", "reason": "no data"}\n' >> "$OUT_DIR/stages.jsonl"
+                return 0
+            fi
+        fi
+    fi
+    local k=0 lr name best
+    for lr in "${QUALITY_LRS[@]}"; do
+        quality_run "quality_plain_$k" "$lr" --no-hdet
+        k=$(( k + 1 ))
+    done
+    if [ "$DRY_RUN" = 1 ]; then
+        best=${QUALITY_LRS[$(( ${#QUALITY_LRS[@]} / 2 ))]}
+        echo "[dry-run] quality: best = the sweep's lowest validation loss (the middle point, $best, stands in here)"
+    else
+        best=$(quality_table best)
+    fi
+    if [ -z "$best" ]; then
+        say "quality: no sweep run finished with a validation loss; the auto-LR runs are skipped"
+        for name in quality_auto_low quality_auto_best quality_auto_high; do
+            printf '{"stage": "%s", "status": "skipped", "reason": "no sweep result"}\n' "$name" >> "$OUT_DIR/stages.jsonl"
+        done
+    else
+        [ "$DRY_RUN" = 1 ] || say "quality: the sweep's best peak LR is $best"
+        quality_run quality_auto_low "$(lr_times "$best" 0.25)" --hdet-period "$QUALITY_PERIOD"
+        quality_run quality_auto_best "$best" --hdet-period "$QUALITY_PERIOD"
+        quality_run quality_auto_high "$(lr_times "$best" 4)" --hdet-period "$QUALITY_PERIOD"
+    fi
+    [ "$DRY_RUN" = 1 ] || quality_table table
+}
+
+# quality_table best|table: print the sweep's best peak LR (best), or write quality.json and
+# print it as a table (table). Read from the runs' metrics.jsonl and stages.jsonl.
+quality_table() {
+    "$PY" - "$OUT_DIR" "$1" "$QUALITY_ITERS" <<'EOF'
+import json, math, os, sys
+out, what = sys.argv[1], sys.argv[2]
+stages = {}
+if os.path.exists(os.path.join(out, "stages.jsonl")):
+    for line in open(os.path.join(out, "stages.jsonl")):
+        if line.strip():
+            stages[json.loads(line)["stage"]] = json.loads(line)
+def finite(v):
+    return isinstance(v, (int, float)) and math.isfinite(v)
+def run(name, lr):
+    path = os.path.join(out, "quality", name, "metrics.jsonl")
+    records = [json.loads(l) for l in open(path) if l.strip()] if os.path.exists(path) else []
+    final = next((r for r in reversed(records) if r.get("type") == "final"), None) or {}
+    stage = stages.get(name, {})
+    row = {"run": name, "kind": "plain" if name.startswith("quality_plain") else "auto", "lr": lr,
+           "status": stage.get("status", "not run"), "reason": stage.get("reason"),
+           "seconds": stage.get("seconds"), "valid_loss": final.get("valid_loss"),
+           "test_loss": final.get("test_loss"), "train_loss": final.get("train_loss"),
+           "tokens_per_s": final.get("tokens_per_s")}
+    if row["kind"] == "auto":
+        updates = [r["update"] for r in records if r.get("type") == "window" and r.get("update")]
+        row.update(final_lr_scale=(final.get("scales") or {}).get("lr"),
+                   windows=sum(1 for r in records if r.get("type") == "window"),
+                   windows_scale_up=sum(1 for u in updates if (u.get("deltas") or {}).get("lr", 0) > 0),
+                   brakes=sum(1 for u in updates if u.get("brake")))
+    return row
+def lr_of(name):
+    cmd = stages.get(name, {}).get("cmd", "").split()
+    return float(cmd[cmd.index("--lr") + 1]) if "--lr" in cmd else None
+names = sorted((n for n in stages if n.startswith("quality_plain_")), key=lambda n: int(n.rsplit("_", 1)[1]))
+plain = [run(n, lr_of(n)) for n in names]
+done = [r for r in plain if r["status"] == "ok" and finite(r["valid_loss"])]
+best = min(done, key=lambda r: r["valid_loss"]) if done else None
+if what == "best":
+    print(f"{best['lr']:g}" if best else "")
+    sys.exit(0)
+auto = [run(n, lr_of(n)) for n in ("quality_auto_low", "quality_auto_best", "quality_auto_high")]
+for r in plain + auto:
+    r["vs_best_plain"] = r["valid_loss"] / best["valid_loss"] - 1 if best and finite(r["valid_loss"]) else None
+lrs = [r["lr"] for r in plain if r["lr"] is not None]
+table = {
+    "what": "validation loss at the end of each run (--eval-iters batches); plain: --no-hdet at each "
+            "sweep LR; auto: HDET with the auto-LR defaults from best/4, best and 4x best; "
+            "vs_best_plain: relative to the sweep's best",
+    "iterations": int(sys.argv[3]) if len(sys.argv) > 3 else None,
+    "best_lr": best["lr"] if best else None,
+    "best_valid_loss": best["valid_loss"] if best else None,
+    "best_at_sweep_edge": bool(best and best["lr"] in (min(lrs), max(lrs))),
+    "sweep_complete": bool(plain) and len(done) == len(plain),
+    "rows": plain + auto,
+}
+with open(os.path.join(out, "quality.json"), "w") as f:
+    json.dump(table, f, indent=2)
+print(f"[gpu_check] quality (quality.json): best peak LR {table['best_lr']}")
+for r in plain + auto:
+    v = f"{r['valid_loss']:.4f}" if finite(r["valid_loss"]) else "-"
+    d = f"{100 * r['vs_best_plain']:+.1f}%" if r["vs_best_plain"] is not None else ""
+    extra = (f", lr scale {r['final_lr_scale']:.2f}, up in {r['windows_scale_up']}/{r['windows']} windows"
+             if r["kind"] == "auto" and finite(r.get("final_lr_scale")) else "")
+    print(f"    {r['run']:18s} lr {r['lr'] if r['lr'] is not None else '-'!s:8s} {r['status']:8s} "
+          f"valid {v} {d}{extra}")
 EOF
 }
 
