@@ -2,7 +2,7 @@
 
 The names users type::
 
-    from hdet_megatron import HDETConfig, Axis, AutoController, BucketedAverager, HDETOneCycleLR
+    from hdet_megatron import HDETConfig, Axis, AutoController, BucketedAverager, HDETOneCycleLR, BatchProbe
 
 Importing the package loads none of them: each is imported on first use (``HDETConfig``,
 ``Axis`` and ``AutoController`` without torch; the averager and the scheduler with torch), and
@@ -32,6 +32,8 @@ _EXPORTS = {
     "AverageStats": "hdet_megatron.averaging",
     "HDETOneCycleLR": "hdet_megatron.torch_scheduler",
     "MissingLoss": "hdet_megatron.torch_scheduler",
+    "BatchProbe": "hdet_megatron.probe",
+    "ProbeBatchMismatch": "hdet_megatron.window",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -47,9 +49,11 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from hdet_megatron.controller import AutoController as AutoController
     from hdet_megatron.controller import ControllerUpdate as ControllerUpdate
     from hdet_megatron.controller import NonFiniteArm as NonFiniteArm
+    from hdet_megatron.probe import BatchProbe as BatchProbe
     from hdet_megatron.spread import arm_spread as arm_spread
     from hdet_megatron.torch_scheduler import HDETOneCycleLR as HDETOneCycleLR
     from hdet_megatron.torch_scheduler import MissingLoss as MissingLoss
+    from hdet_megatron.window import ProbeBatchMismatch as ProbeBatchMismatch
 
 
 def __getattr__(name: str) -> Any:

@@ -515,6 +515,13 @@ class FSDPRuntime(_Runtime):
             )
             self.params = local_shards(self.dtensors, self.arms)  # homing replaced local tensors
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The local shards as they are now: FSDP2 replaces a local tensor object when it gives a
+        parameter new storage (``reset_sharded_param`` after ``module.to()`` or
+        ``load_state_dict(assign=True)``, and the averager's re-homing after that), so a list
+        kept from construction would write line points where the model no longer reads."""
+        return local_shards(self.dtensors)
+
     def refresh(self) -> None:
         """Reshard every FSDP module (:func:`reshard_all`): the next forward all-gathers the local
         shards as they are now (a line point, the restored arm, the converged average)."""
@@ -620,9 +627,8 @@ def _rank_table(rt: FSDPRuntime | None) -> torch.Tensor:
     world = dist.get_world_size()
     table = torch.zeros(world, 2, dtype=torch.float64)
     if rt is not None:
-        mine = torch.tensor(
-            [float(rt.loss_sum) + rt.host_loss_sum, float(rt.loss_count)], dtype=torch.float64
-        )
+        losses = rt.engine.losses
+        mine = torch.tensor([float(losses.total()), float(losses.count)], dtype=torch.float64)
         gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
         dist.all_gather(gathered, mine)
         table = torch.stack(gathered)
@@ -728,9 +734,7 @@ def load_checkpoint(
     if rt is not None:
         row = state["hdet_rank_losses"][dist.get_rank()]
         # Keep the window's loss sum in the device accumulator, as an uninterrupted run does.
-        rt.reset_losses()
-        rt.loss_sum.fill_(float(row[0]))
-        rt.loss_count = int(row[1])
+        rt.engine.losses.load(float(row[0]), int(row[1]))
         if layout.get("converged") and layout["step"] % rt.config.period != 0:
             rt.saved_converge = (scheduler.last_epoch, rt.num_converges)
     _reapply_lrs(scheduler)

@@ -1,13 +1,14 @@
-"""The torch runtime of ``HDETOneCycleLR``: arms over data-parallel ranks, window losses, converge.
+"""The torch runtime of ``HDETOneCycleLR``: arms over data-parallel ranks, and its window adapter.
 
 :class:`_Runtime` holds everything HDET keeps for a plain (DDP or single-process) torch model
 besides torch's own scheduler state: the arm topology, which axis drives each param group's LR,
-the controller, the per-window loss accumulators, the probe (``probe_fn``) and the line-search
-engine (:mod:`hdet_megatron.line_search`), the averager and the rollback snapshot.
+the controller and the averager. It is the :class:`~hdet_megatron.window.WindowAdapter` of the
+window engine (:mod:`hdet_megatron.window`), which owns everything that happens per window (loss
+accumulation, probes, the reduction, the controller update, averaging and rollback).
 :class:`hdet_megatron.fsdp.FSDPRuntime` subclasses it for FSDP2 (HSDP) models, and
 :class:`hdet_megatron.torch_scheduler.HDETOneCycleLR` builds one of the two. Layering: this
-module imports only the math (config, spread, controller, averaging, line search, window
-losses), never the schedulers.
+module imports only the math (config, spread, controller, averaging, the window engine), never
+the schedulers.
 """
 
 from __future__ import annotations
@@ -21,25 +22,23 @@ import torch
 import torch.distributed as dist
 
 from hdet_megatron.averaging import AverageStats, BucketedAverager, protect_module_state_dicts
-from hdet_megatron.config import LINE_SIGNALS, HDETConfig
-from hdet_megatron.controller import AutoController, ControllerUpdate
-from hdet_megatron.line_search import LineSearch, probe_scalar, run_probe
-from hdet_megatron.line_signal import LineFit
+from hdet_megatron.config import HDETConfig
+from hdet_megatron.controller import AutoController
+from hdet_megatron.probe import PROBE_RECIPE, as_probe, probe_scalar
 from hdet_megatron.spread import arm_axis_value, arm_spread
-from hdet_megatron.window_losses import WindowLosses, params_finite, reduce_window
+from hdet_megatron.window import PROBE_SIGNALS, WindowAdapter, WindowEngine
+from hdet_megatron.window_losses import WindowLosses, reduce_window
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["TorchRuntime"]
 
 _SUPPORTED_AXES = "'lr' or 'lr:<param-group name pattern>'"
-#: Signals whose controller input comes from ``probe_fn``.
-PROBE_SIGNALS = ("probe",) + LINE_SIGNALS
 
 
-class _Runtime:
+class _Runtime(WindowAdapter):
     """Everything HDET keeps besides torch's own scheduler state (excluded from ``state_dict``
-    except for the plain-data parts written under ``"hdet"``)."""
+    except for the plain-data parts written under ``"hdet"``), and the window engine's adapter."""
 
     def __init__(
         self,
@@ -47,32 +46,25 @@ class _Runtime:
         optimizer,
         model,
         process_group,
-        probe_fn: Callable[[], Any] | None = None,
+        probe_fn: Any = None,
     ) -> None:
         self.config = config
         self._init_topology(process_group)
+        probe = as_probe(probe_fn)
         # "auto"/None fields: the measured defaults for this run (a probe needs the model too).
-        resolution = config.resolve(probe_fn is not None and model is not None, self.num_arms)
+        resolution = config.resolve(probe is not None and model is not None, self.num_arms)
         config = resolution.config
-        if resolution.note:
-            log = logger.warning if config.auto and probe_fn is None else logger.info
-            log("%s", resolution.note)
         if config.signal in PROBE_SIGNALS:
-            if probe_fn is None:
-                raise ValueError(
-                    f"HDETConfig.signal={config.signal!r} needs probe_fn: a no-argument callable "
-                    "returning this rank's loss on a batch it has not trained on (see "
-                    "docs/python-api.md); pass HDETOneCycleLR(..., probe_fn=...) or use signal='train'"
-                )
+            if probe is None:
+                raise ValueError(f"HDETConfig.signal={config.signal!r} needs a probe; {PROBE_RECIPE}")
             if model is None:
                 raise ValueError(
                     f"HDETConfig.signal={config.signal!r} needs model=...: the probe runs with the "
                     "model switched to eval() (and back), and the line search writes into its params"
                 )
-        elif probe_fn is not None and not callable(probe_fn):
-            raise TypeError(f"probe_fn must be a no-argument callable, got {type(probe_fn).__name__}")
-        self.probe_fn = probe_fn
+        self.probe_fn = probe
         self.model = model
+        self.optimizer = optimizer
         self.config = config
 
         # Which axis drives the LR of each param group.
@@ -104,28 +96,18 @@ class _Runtime:
                     "'name' entry or fix the pattern"
                 )
 
-        self.controller = AutoController(config, self.num_arms)
+        self._controller = AutoController(config, self.num_arms)
         self._init_params(optimizer, model)
         self.acc_dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        self.loss_sum = torch.zeros((), dtype=self.acc_dtype, device=self.device)
-        self.host_loss_sum = 0.0
-        self.loss_count = 0
-        self.steps_in_window = 0
-        """Optimizer steps since the last converge (the window's start)."""
-        # The line signals' engine (window start, running sum, probing, restore).
-        self.line_search = LineSearch(self.params, config.signal) if config.signal in LINE_SIGNALS else None
-        self.mark_window_start()
-        self.snapshot: list[torch.Tensor] | None = None
-        if config.rollback:
-            self.take_snapshot()
+        self.base_lrs_at: Callable[[int], list[float]] | None = None
+        """The scheduler's base LR of every param group at a step (set by ``HDETOneCycleLR``)."""
+        self.total_steps = 0
+        """The schedule's length (set by ``HDETOneCycleLR``)."""
         self.spread_cache: tuple[int, dict[str, list[float]]] = (-1, {})
-        self.last_update: ControllerUpdate | None = None
-        self.last_line: LineFit | None = None
         self.last_losses: WindowLosses | None = None
         self.last_stats: AverageStats | None = None
         self.last_base_lrs: list[float] = []
-        self.num_converges = 0
-        self.num_rollbacks = 0
+        self.engine = WindowEngine(self, probe, note=resolution.note, acc_dtype=self.acc_dtype)
 
     def _init_topology(self, process_group) -> None:
         """Set ``group``/``size``/``rank`` (the loss-reduction group) and ``num_arms``/``arm``.
@@ -191,57 +173,36 @@ class _Runtime:
         rho = self.spreads(window)[axis.name][self.arm]
         return arm_axis_value(axis, base, self.controller.scale(axis.name), rho)
 
-    # -- losses ---------------------------------------------------------------------------------
-    def add_loss(self, loss) -> None:
-        if isinstance(loss, torch.Tensor):
-            if loss.numel() != 1:
-                raise ValueError(
-                    f"step(loss): loss must be a scalar (this rank's mean loss of the step), got "
-                    f"shape {tuple(loss.shape)}"
-                )
-            self.loss_sum.add_(loss.detach().reshape(()).to(self.loss_sum.device, self.loss_sum.dtype))
-        elif isinstance(loss, (int, float)) and not isinstance(loss, bool):
-            self.host_loss_sum += float(loss)
-        else:
-            raise TypeError(f"step(loss): loss must be a tensor or a number, got {type(loss).__name__}")
-        self.loss_count += 1
+    # -- the window engine's adapter ------------------------------------------------------------
+    @property
+    def controller(self) -> AutoController:
+        return self._controller
 
-    def reset_losses(self) -> None:
-        self.loss_sum.zero_()
-        self.host_loss_sum = 0.0
-        self.loss_count = 0
+    def tensors(self) -> list[torch.Tensor]:
+        """The averaged tensors (parameter objects: a replaced ``.data`` is seen through them)."""
+        return self.params
 
-    def after_step(self) -> None:
-        """One optimizer step done: ``"average"`` adds it to the running sum (device-side)."""
-        if self.line_search is not None:
-            self.line_search.accumulate()
-        self.steps_in_window += 1
+    def probe_modules(self) -> list[torch.nn.Module]:
+        return [self.model]
 
-    # -- probes ---------------------------------------------------------------------------------
     def refresh(self) -> None:
         """Make the model compute with its params as they are now (after a line point was written
         into them, the restore, a converge or a rollback). Nothing to do for plain tensors;
         :class:`hdet_megatron.fsdp.FSDPRuntime` reshards FSDP2's modules."""
 
-    def probe_loss(self) -> torch.Tensor:
-        """This rank's loss from ``probe_fn``, run under ``torch.no_grad()`` with the model in
-        eval mode (its previous mode restored); a device scalar (no host sync). The model is
-        refreshed after it (FSDP2: resharded, whatever the forward left gathered)."""
-        assert self.probe_fn is not None  # __init__ requires it for the signals that probe
-        loss = probe_scalar(run_probe(self.probe_fn, [self.model]), self.device, self.acc_dtype)
+    def after_probe(self) -> None:
+        """After a probe forward: the same as :meth:`refresh` (FSDP2 reshards what it gathered)."""
         self.refresh()
-        return loss
 
-    def mark_window_start(self) -> None:
-        """The params are a window's start (after a converge; after a checkpoint load, valid for
-        the line signals only at a window boundary)."""
-        if self.line_search is not None:
-            self.line_search.mark_window_start(self.steps_in_window)
+    def probe_value(self, raw: Any) -> torch.Tensor:
+        """Every rank reports its own loss: the probe's result as a device scalar (no host sync)."""
+        return probe_scalar(raw, self.device, self.acc_dtype)
 
-    def reduce_window(self, probe: torch.Tensor | None, points: torch.Tensor | None, num_points: int):
-        """The window's one small all-reduce over ``group`` (one host sync): every rank's loss
-        sum and count, its probe loss or its losses at the line points, and whether its params
-        are finite (:func:`hdet_megatron.window_losses.reduce_window`)."""
+    def reduce(
+        self, *, train_sum, train_count, probe, points, num_points, finite, fingerprint
+    ) -> WindowLosses:
+        """The window's one small all-reduce over ``group`` (one host sync): every rank is a loss
+        reporter (:func:`hdet_megatron.window_losses.reduce_window`)."""
         self.last_losses = reduce_window(
             num_arms=self.num_arms,
             num_rows=self.size,
@@ -251,29 +212,60 @@ class _Runtime:
             reduce=self.size > 1,
             device=self.device,
             dtype=self.acc_dtype,
-            train_sum=self.loss_sum + self.host_loss_sum,
-            train_count=float(self.loss_count),
+            train_sum=train_sum,
+            train_count=float(train_count),
             probe=probe,
             points=points,
             num_points=num_points,
-            finite=params_finite(self.params),
+            finite=finite,
+            fingerprint=fingerprint,
         )
         return self.last_losses
 
-    # -- rollback -------------------------------------------------------------------------------
-    @torch.no_grad()
-    def take_snapshot(self) -> None:
-        if self.snapshot is None:
-            self.snapshot = [p.detach().clone() for p in self.params]
-        else:
-            for s, p in zip(self.snapshot, self.params, strict=True):
-                s.copy_(p.detach())
+    def _base_lrs(self, step: int) -> list[float]:
+        assert self.base_lrs_at is not None  # set by HDETOneCycleLR before its first step
+        return self.base_lrs_at(step)
+
+    def horizon_lrs(self, step: int) -> tuple[float, float]:
+        """Param group 0's OneCycle base LR at ``step`` (the next window's first) and at the end."""
+        return self._base_lrs(step)[0], self._base_lrs(self.total_steps)[0]
+
+    def base_values(self, step: int) -> dict[str, float]:
+        bases = self._base_lrs(step)  # base schedule at the first step of the next window
+        return {
+            axis.name: bases[self.group_axes.index(axis)]
+            for axis in self.config.resolved_axes
+            if axis in self.group_axes
+        }
+
+    def average(self, weight: float | None) -> AverageStats | None:
+        if self.averager is None:
+            return None
+        self.last_stats = self.averager.average(weight)
+        return self.last_stats
 
     @torch.no_grad()
-    def restore_snapshot(self) -> None:
-        assert self.snapshot is not None  # taken in __init__ when rollback is on
-        for s, p in zip(self.snapshot, self.params, strict=True):
-            p.copy_(s)
+    def sanitize_optimizer_state(self) -> None:
+        """Zero the non-finite entries of the optimizer state (momentum buffers, Adam moments),
+        or an excluded arm would turn NaN again on its next step although its parameters were just
+        overwritten by the healthy arms' average. No host sync."""
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    torch.nan_to_num_(value, nan=0.0, posinf=0.0, neginf=0.0)
+
+    # -- the window's state, read by the scheduler and the checkpoints ----------------------------
+    @property
+    def steps_in_window(self) -> int:
+        return self.engine.steps_in_window
+
+    @property
+    def num_converges(self) -> int:
+        return self.engine.num_converges
+
+    @property
+    def num_rollbacks(self) -> int:
+        return self.engine.num_rollbacks
 
 
 #: The public name of the runtime class.

@@ -36,9 +36,8 @@ With ``hdet=None`` (or one rank, spread 0 and the controller off) it is exactly 
 from __future__ import annotations
 
 import logging
-import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal, cast
 
 import torch
@@ -46,22 +45,18 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import OneCycleLR
 
 from hdet_megatron.averaging import AverageStats, BucketedAverager
-from hdet_megatron.config import LINE_SIGNALS, HDETConfig, short_run_caution
-from hdet_megatron.controller import AllArmsNonFinite, AutoController, ControllerUpdate
+from hdet_megatron.config import HDETConfig, short_run_caution
+from hdet_megatron.controller import AutoController, ControllerUpdate
 from hdet_megatron.fsdp import FSDPRuntime, is_fsdp2_setup
-from hdet_megatron.line_search import start_probe_window
-from hdet_megatron.line_signal import LineFit, fit_line, line_points, persistence
+from hdet_megatron.line_signal import LineFit
+from hdet_megatron.probe import BatchProbe
 from hdet_megatron.schedule import ANNEAL_STRATEGIES, phase_at
 from hdet_megatron.torch_runtime import _Runtime
-from hdet_megatron.window_losses import WindowLosses
+from hdet_megatron.window import MissingLoss, is_log_rank
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["HDETOneCycleLR", "MissingLoss"]
-
-
-class MissingLoss(RuntimeError):
-    """The controller needs window losses but ``step()`` got no ``loss`` (on some arm)."""
 
 
 class HDETOneCycleLR(OneCycleLR):
@@ -80,15 +75,16 @@ class HDETOneCycleLR(OneCycleLR):
             (replicate, shard) the model was sharded over; the arms are its replicate
             dimension (see :mod:`hdet_megatron.fsdp`). Inferred from the parameters' DTensors
             when omitted; a 1-D (pure FSDP) mesh is refused with an explanation.
-        probe_fn: needed by ``hdet.signal`` ``"probe"``, ``"line"`` and ``"average"`` (with
-            ``model=...``): a no-argument callable that returns this rank's loss (a scalar tensor
-            or a float) on a batch it has not trained on. The scheduler calls it at a window's
-            end, before the average, under ``torch.no_grad()`` with ``model`` switched to
-            ``eval()`` (its previous mode restored): once with ``"probe"`` (the batch must be the
-            same on every rank), once per point of the window's update line with the line
-            signals (each rank its own batch, the same at every point of one window:
-            :class:`~hdet_megatron.line_search.BatchProbe` does that). Collective when the model
-            is (FSDP2: every rank calls it the same number of times).
+        probe_fn: a :class:`~hdet_megatron.probe.BatchProbe` ``(loss_fn, batches)``: what to
+            score (``loss_fn(batch)``: this rank's loss, a scalar tensor or a float) and where the
+            held-out batches come from (``batches(window)`` or an iterable). It gives the
+            defaults ``signal="average"`` (with ``model=...`` and >= 3 arms). At a window's end,
+            before the average, the scheduler fetches the window's batch once and scores it under
+            ``torch.no_grad()`` with ``model`` in ``eval()`` (its previous mode restored): once
+            with ``"probe"`` (the batch must be the same on every rank: checked), at every point
+            of the window's update line with the line signals (each rank its own batch: a warning
+            when all are the same). Not run with ``auto=False``. Collective when the model is
+            (FSDP2: every rank scores the same number of times). A bare callable is refused.
 
     ``step(loss)`` takes this rank's (undetached is fine) local training loss of the step just
     taken; the arms' window losses drive the controller and the non-finite exclusion. An arm
@@ -127,7 +123,7 @@ class HDETOneCycleLR(OneCycleLR):
         model: torch.nn.Module | None = None,
         process_group: dist.ProcessGroup | None = None,
         device_mesh: Any | None = None,
-        probe_fn: Callable[[], Any] | None = None,
+        probe_fn: BatchProbe | None = None,
     ) -> None:
         if hdet is not None and not isinstance(hdet, HDETConfig):
             raise TypeError(f"hdet must be an HDETConfig or None, got {type(hdet).__name__}")
@@ -159,9 +155,12 @@ class HDETOneCycleLR(OneCycleLR):
             three_phase=three_phase,
             last_epoch=last_epoch,
         )
+        if self._hdet is not None:
+            self._hdet.base_lrs_at = self._base_lrs_at
+            self._hdet.total_steps = self.total_steps
         if self._hdet is not None and last_epoch == -1:
             caution = short_run_caution(self._hdet.config, self.total_steps)
-            if caution:
+            if caution and is_log_rank():
                 logger.warning("%s", caution)
 
     # ------------------------------------------------------------------ schedule
@@ -223,8 +222,8 @@ class HDETOneCycleLR(OneCycleLR):
         initial = getattr(self, "_is_initial", False) or getattr(self, "_step_count", 0) == 0
         if rt is not None and not initial:
             if loss is not None:
-                rt.add_loss(loss)
-            rt.after_step()
+                rt.engine.add_loss(loss)
+            rt.engine.after_step()
             done = self.last_epoch + 1  # optimizer steps taken so far
             if done > 0 and done % rt.config.period == 0:
                 self._converge(done)
@@ -246,133 +245,16 @@ class HDETOneCycleLR(OneCycleLR):
         self._converge(done, partial=True)
         return self.last_update
 
-    def _window_signal(
-        self, window: int, step: int
-    ) -> tuple[WindowLosses, list[float] | None, LineFit | None]:
-        """Probe (``signal`` probe/line/average, when the window has steps), then the window's one
-        reduction. Returns the reduced losses, the controller's signal per arm (None: the train
-        losses) and the window's line fit."""
-        rt = self._runtime()
-        cfg = rt.config
-        spreads = rt.spreads(window)
-        probe = points = losses = None
-        if rt.steps_in_window and cfg.signal == "probe":
-            start_probe_window(rt.probe_fn, window)
-            probe = rt.probe_loss()
-        elif rt.steps_in_window and rt.line_search is not None and rt.line_search.valid:
-            start_probe_window(rt.probe_fn, window)
-            points = line_points(spreads["lr"])
-            losses = rt.line_search.evaluate(points, spreads["lr"][rt.arm], rt.refresh, rt.probe_loss)
-        reduced = rt.reduce_window(probe, losses, len(points) if points is not None else 0)
-        if points is not None:
-            # "average" is not corrected (the weight average leaves the noise floor out); "line"
-            # by the part of today's noise floor that survives to the end of the schedule.
-            kappa = 1.0
-            if cfg.signal == "line":
-                kappa = persistence(self._base_lrs_at(step)[0], self._base_lrs_at(self.total_steps)[0])
-            line = fit_line(points, reduced.point_losses, spreads["lr"], kappa, reduced.replica_losses)
-            return reduced, list(line.pseudo_losses), line
-        if cfg.signal in LINE_SIGNALS and rt.steps_in_window:
-            # No line this window (a mid-window resume): equal losses, so nothing moves.
-            return reduced, [0.0 if math.isfinite(x) else x for x in reduced.train], None
-        if cfg.signal == "probe" and rt.steps_in_window:
-            return reduced, reduced.probe, None
-        return reduced, None, None
-
     def _runtime(self) -> _Runtime:
         """The HDET runtime, on the paths that run only with HDET on."""
         assert self._hdet is not None
         return self._hdet
 
     def _converge(self, step: int, partial: bool = False) -> None:
+        """End the window at ``step`` (the window engine does everything; collective)."""
         rt = self._runtime()
-        cfg = rt.config
-        window = max(self.last_epoch, 0) // cfg.period
-        reduced, signal, line = self._window_signal(window, step)
-        counts = reduced.train_counts
-        update: ControllerUpdate | None = None
-        if signal is None and not any(counts):
-            # No loss signal at all (e.g. a single arm used as a drop-in OneCycleLR): average,
-            # leave the controller alone.
-            if cfg.auto and step >= cfg.auto_start and not partial and rt.num_arms > 1:
-                raise MissingLoss(
-                    f"HDET window {window} ended at step {step} without any loss: pass this "
-                    "rank's training loss to scheduler.step(loss) so the controller can compare "
-                    "the arms (or set HDETConfig(auto=False))"
-                )
-        elif any(counts) and not all(counts):
-            missing = [a for a, c in enumerate(counts) if not c]
-            raise MissingLoss(
-                f"HDET window {window}: arm(s) {missing} reported no loss while others did; "
-                "call scheduler.step(loss) on every rank"
-            )
-        else:
-            losses = reduced.train if signal is None else signal
-            # An arm whose parameters blew up is as bad as an infinite loss, whatever it reported.
-            losses = [math.inf if bad else x for x, bad in zip(losses, reduced.bad, strict=True)]
-            bases = self._base_lrs_at(step)  # base schedule at the first step of the next window
-            base_values = {
-                axis.name: bases[rt.group_axes.index(axis)]
-                for axis in cfg.resolved_axes
-                if axis in rt.group_axes
-            }
-            try:
-                update = rt.controller.update(
-                    losses,
-                    rt.spreads(window),
-                    step,
-                    base_values,
-                    line=line,
-                    train_losses=[
-                        math.inf if bad else x for x, bad in zip(reduced.train, reduced.bad, strict=True)
-                    ],
-                )
-            except AllArmsNonFinite:
-                if not cfg.rollback:
-                    raise
-                rt.restore_snapshot()
-                rt.refresh()
-                self._sanitize_optimizer_state()
-                rt.controller.cut_scale(0.5)
-                rt.reset_losses()
-                rt.steps_in_window = 0
-                rt.mark_window_start()
-                rt.num_rollbacks += 1
-                warnings.warn(
-                    f"HDET: every arm's loss was non-finite in window {window} (step {step}); "
-                    "restored the last converged parameters and halved the LR scale",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-                return
-        excluded = update.excluded if update is not None else []
-        if rt.averager is not None:
-            weight = None
-            if excluded:
-                weight = 0.0 if rt.arm in excluded else 1.0
-            rt.last_stats = rt.averager.average(weight)
-        rt.refresh()
-        if rt.arm in excluded:
-            self._sanitize_optimizer_state()
-        if cfg.rollback:
-            rt.take_snapshot()
-        rt.reset_losses()
-        rt.steps_in_window = 0
-        rt.mark_window_start()
-        if update is not None:
-            rt.last_update = update
-            rt.last_line = line
-        rt.num_converges += 1
-
-    @torch.no_grad()
-    def _sanitize_optimizer_state(self) -> None:
-        """On an excluded arm: zero the non-finite entries of the optimizer state (momentum
-        buffers, Adam moments), or the arm would turn NaN again on its next step although its
-        parameters were just overwritten by the healthy arms' average. No host sync."""
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.is_floating_point():
-                    torch.nan_to_num_(value, nan=0.0, posinf=0.0, neginf=0.0)
+        window = max(self.last_epoch, 0) // rt.config.period
+        rt.engine.end_window(window, step, rt.spreads(window), forced=partial)
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -399,7 +281,7 @@ class HDETOneCycleLR(OneCycleLR):
     @property
     def last_update(self) -> ControllerUpdate | None:
         """The controller update of the last converge (None before the first)."""
-        return self._hdet.last_update if self._hdet is not None else None
+        return self._hdet.engine.last_update if self._hdet is not None else None
 
     @property
     def last_stats(self) -> AverageStats | None:
@@ -409,7 +291,7 @@ class HDETOneCycleLR(OneCycleLR):
     @property
     def last_line(self) -> LineFit | None:
         """The line search of the last converge (``signal`` ``"line"``/``"average"``; else None)."""
-        return self._hdet.last_line if self._hdet is not None else None
+        return self._hdet.engine.last_line if self._hdet is not None else None
 
     @property
     def last_arm_losses(self) -> list[float] | None:
@@ -451,10 +333,11 @@ class HDETOneCycleLR(OneCycleLR):
             "num_converges": rt.num_converges,
             "num_rollbacks": rt.num_rollbacks,
         }
-        if rt.last_update is not None:
-            out["last_update"] = rt.last_update.to_dict()
-        if rt.last_line is not None:
-            out["last_line"] = rt.last_line.to_dict()
+        engine = rt.engine
+        if engine.last_update is not None:
+            out["last_update"] = engine.last_update.to_dict()
+        if engine.last_line is not None:
+            out["last_line"] = engine.last_line.to_dict()
         if rt.last_stats is not None:
             out["converge_bytes"] = rt.last_stats.bytes
             out["converge_buckets"] = rt.last_stats.num_buckets
@@ -468,13 +351,14 @@ class HDETOneCycleLR(OneCycleLR):
         state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "_hdet")}
         rt = self._hdet
         if rt is not None:
+            engine = rt.engine
             state["hdet"] = {
                 "controller": rt.controller.state_dict(),
-                "loss_sum": float(rt.loss_sum) + rt.host_loss_sum,
-                "loss_count": rt.loss_count,
-                "steps_in_window": rt.steps_in_window,
-                "num_converges": rt.num_converges,
-                "num_rollbacks": rt.num_rollbacks,
+                "loss_sum": float(engine.losses.total()),
+                "loss_count": engine.losses.count,
+                "steps_in_window": engine.steps_in_window,
+                "num_converges": engine.num_converges,
+                "num_rollbacks": engine.num_rollbacks,
                 "config": rt.config.fingerprint(),
             }
         return state
@@ -487,21 +371,20 @@ class HDETOneCycleLR(OneCycleLR):
         state.pop("_hdet", None)
         self.__dict__.update(state)
         rt = self._hdet
-        if rt is not None and hdet_state is not None:
+        if rt is None:
+            return
+        engine = rt.engine
+        if hdet_state is not None:
             rt.controller.load_state_dict(hdet_state["controller"])
-            rt.reset_losses()
-            rt.host_loss_sum = float(hdet_state.get("loss_sum", 0.0))
-            rt.loss_count = int(hdet_state.get("loss_count", 0))
-            rt.num_converges = int(hdet_state.get("num_converges", 0))
-            rt.num_rollbacks = int(hdet_state.get("num_rollbacks", 0))
-        if rt is not None:
-            # Steps since the last converge; a state from before this entry existed (or a plain
-            # OneCycleLR one) converged at multiples of the period.
-            steps = (hdet_state or {}).get("steps_in_window")
-            rt.steps_in_window = (
-                int(steps) if steps is not None else max(self.last_epoch, 0) % rt.config.period
-            )
-            # The line signals start the update line at the loaded params (load the model before
-            # the scheduler, as usual); mid-window, that window's line is unknown and does not
-            # steer the controller.
-            rt.mark_window_start()
+            engine.num_converges = int(hdet_state.get("num_converges", 0))
+            engine.num_rollbacks = int(hdet_state.get("num_rollbacks", 0))
+        # Steps since the last converge; a state from before this entry existed (or a plain
+        # OneCycleLR one) converged at multiples of the period. The line signals start the update
+        # line at the loaded params (load the model before the scheduler, as usual); mid-window,
+        # that window's line is unknown and does not steer the controller.
+        steps = (hdet_state or {}).get("steps_in_window")
+        engine.load_window(
+            int(steps) if steps is not None else max(self.last_epoch, 0) % rt.config.period,
+            float((hdet_state or {}).get("loss_sum", 0.0)),
+            int((hdet_state or {}).get("loss_count", 0)),
+        )

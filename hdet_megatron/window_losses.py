@@ -6,8 +6,9 @@ At a window's end every rank contributes to one float64 table:
   params or their shard; summed flags);
 * one row per loss reporter (one per data-parallel replica: Megatron's last-stage TP-rank-0
   rank, every rank of a torch runtime), written by that reporter only: its arm, its window
-  training-loss sum and count, its probe loss (``signal="probe"``) and its loss at every point of
-  the update line (``"line"``/``"average"``).
+  training-loss sum and count, its probe loss (``signal="probe"``), its loss at every point of
+  the update line (``"line"``/``"average"``) and the fingerprint of the batch it probed
+  (:func:`hdet_megatron.probe.batch_fingerprint`).
 
 Each entry has at most one non-zero contributor, so the all-reduce is exact whatever order the
 backend adds in, and every rank reads the same bits. The host then forms per-arm means and, for
@@ -21,14 +22,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["WindowLosses", "params_finite", "reduce_window"]
+__all__ = ["LossAccumulator", "WindowLosses", "params_finite", "reduce_window"]
 
-_ROW_HEAD = 5  # arm + 1 | train sum | train count | probe loss | probe count
+_ROW_HEAD = 7  # arm + 1 | train sum | train count | probe loss | probe count | fingerprint | has one
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class WindowLosses:
     arm is finite (in reporter order)."""
     point_losses: list[float]
     """With line points: the mean of :attr:`replica_losses` at every point (NaN without rows)."""
+    fingerprints: list[float] = field(default_factory=list)
+    """The probe batch's fingerprint of every reporter that sent one (in reporter order)."""
 
 
 def params_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -75,6 +78,7 @@ def reduce_window(
     points: torch.Tensor | None = None,
     num_points: int = 0,
     finite: torch.Tensor | None = None,
+    fingerprint: torch.Tensor | None = None,
 ) -> WindowLosses:
     """Reduce one window's losses over ``group`` (``reduce=False``: one process). Collective.
 
@@ -86,6 +90,7 @@ def reduce_window(
         probe: this reporter's probe loss (``signal="probe"``).
         points: this reporter's loss at each of the ``num_points`` line points.
         finite: whether this rank's params are finite (every rank, reporter or not).
+        fingerprint: this reporter's probe-batch fingerprint (None: it probed nothing).
     """
     width = _ROW_HEAD + num_points
     buf = torch.zeros(num_arms + num_rows * width, dtype=dtype, device=device)
@@ -103,6 +108,9 @@ def reduce_window(
             if points.numel() != num_points:
                 raise RuntimeError(f"internal: {points.numel()} line-point losses, expected {num_points}")
             buf[base + _ROW_HEAD : base + width] = points
+        if fingerprint is not None:
+            buf[base + 5] = fingerprint
+            buf[base + 6] = 1.0
     if reduce:
         dist.all_reduce(buf, group=group)
     values = buf.tolist()  # the one host sync of the window
@@ -137,4 +145,46 @@ def reduce_window(
         replica_arms=[a for a, _ in healthy],
         replica_losses=[list(losses) for _, losses in healthy],
         point_losses=point_losses,
+        fingerprints=[r[5] for _, r in rows if r[6] > 0],
     )
+
+
+class LossAccumulator:
+    """One reporter's training losses of the current window: a device-side sum (no host sync per
+    step), a host-side sum for losses given as numbers, and how many were added."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float64) -> None:
+        self.sum = torch.zeros((), dtype=dtype, device=device)
+        self.host_sum = 0.0
+        self.count = 0
+
+    def add(self, loss: torch.Tensor | float) -> None:
+        """Add one step's loss (a scalar tensor, kept on its device, or a number)."""
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ValueError(
+                    f"step loss must be a scalar (this rank's mean loss of the step), got shape "
+                    f"{tuple(loss.shape)}"
+                )
+            self.sum.add_(loss.detach().reshape(()).to(self.sum.device, self.sum.dtype))
+        elif isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            self.host_sum += float(loss)
+        else:
+            raise TypeError(f"step loss must be a tensor or a number, got {type(loss).__name__}")
+        self.count += 1
+
+    def total(self) -> torch.Tensor:
+        """The window's loss sum (a device scalar)."""
+        return self.sum + self.host_sum
+
+    def reset(self) -> None:
+        self.sum.zero_()
+        self.host_sum = 0.0
+        self.count = 0
+
+    def load(self, total: float, count: int) -> None:
+        """Continue a window from a checkpoint: the sum kept on the device, as in an uninterrupted
+        run."""
+        self.reset()
+        self.sum.fill_(float(total))
+        self.count = int(count)

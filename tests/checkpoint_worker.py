@@ -17,6 +17,7 @@ from hdet_megatron.megatron import toy
 from hdet_megatron.megatron.checkpointing import HDETCheckpointError
 from hdet_megatron.megatron.runtime import HDET, main_params
 from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+from hdet_megatron.probe import BatchProbe
 from hdet_megatron.spread import arm_spread
 
 from megatron.core import parallel_state as ps
@@ -85,7 +86,9 @@ class Job:
             )
             self.scheduler = HDETOptimizerParamScheduler(self.optimizer, hdet=self.config, **kwargs)
             self.probe_losses: list[float] = []
-            probe = self._probe if self.config.signal in ("probe", "line", "average") else None
+            probe = None
+            if self.config.signal in ("probe", "line", "average"):
+                probe = BatchProbe(self._probe_loss, self._probe_batch)
             self.hdet = HDET(self.config, self.model, self.optimizer, self.scheduler, probe_fn=probe)
         else:
             self.scheduler = OptimizerParamScheduler(self.optimizer, **kwargs)
@@ -94,13 +97,16 @@ class Job:
         self.digests: dict[int, str] = {}  # model params after each iteration
         self.history: list = []
 
-    def _probe(self) -> list:
-        """A forward-only pass on a fixed batch: each DP replica's own (signal="line") or DP
-        rank 0's on every rank (signal="probe"); the same batch at every call."""
+    def _probe_batch(self, window: int) -> list:
+        """A fixed batch: each DP replica's own (signal="line") or DP rank 0's on every rank
+        (signal="probe"); the same in every window."""
         dp = 0 if self.config.signal == "probe" else ps.get_data_parallel_rank()
         data = toy.synthetic_batches(self.setup, seed=9000 + dp)
-        with torch.no_grad():
-            losses = toy.forward_backward(self.setup, self.model, data, forward_only=True)
+        return [next(data) for _ in range(self.setup.num_microbatches)]
+
+    def _probe_loss(self, batch: list) -> list:
+        """A forward-only pass on ``batch``."""
+        losses = toy.forward_backward(self.setup, self.model, iter(batch), forward_only=True)
         if losses:
             self.probe_losses.append(float(torch.stack([o["lm loss"] for o in losses]).mean()))
         return losses

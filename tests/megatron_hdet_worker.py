@@ -12,6 +12,7 @@ from hdet_megatron.config import Axis, HDETConfig
 from hdet_megatron.megatron import toy
 from hdet_megatron.megatron.runtime import HDET, main_params
 from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+from hdet_megatron.probe import BatchProbe
 from tests.cross_arm import CrossArmBytes
 
 from megatron.core import parallel_state as ps
@@ -118,15 +119,17 @@ def run(rank: int, world_size: int, sc: Scenario) -> dict:
             # The same seed on every rank: every arm is probed on the same batches.
             probe_data = toy.synthetic_batches(setup, seed=424242)
 
-            def probe_fn():
-                with torch.no_grad():
-                    losses = toy.forward_backward(setup, model, probe_data, forward_only=True)
+            def probe_loss(batch):
+                losses = toy.forward_backward(setup, model, iter(batch), forward_only=True)
                 out["probe_losses"].append(
                     float(torch.stack([o["lm loss"] for o in losses]).mean()) if losses else None
                 )
                 return losses
 
-            hdet = HDET(config, model, optimizer, scheduler, probe_fn=probe_fn if sc.probe else None)
+            probe = BatchProbe(
+                probe_loss, lambda window: [next(probe_data) for _ in range(setup.num_microbatches)]
+            )
+            hdet = HDET(config, model, optimizer, scheduler, probe_fn=probe if sc.probe else None)
             layout = hdet.layout
             out.update(arm=layout.arm, reporter=layout.is_loss_reporter, cross=layout.cross_arm_ranks)
         else:

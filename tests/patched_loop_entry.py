@@ -63,7 +63,7 @@ def _state_digests(search: LineSearch) -> dict:
     model_params = [p for chunk in hdet.model for p in chunk.parameters()]
     tracker = get_cuda_rng_tracker().get_states()
     return {
-        "main": _digest_tensors(search.params),
+        "main": _digest_tensors(search.params()),
         "model": _digest_tensors(model_params),
         "rng": _digest_tensors([torch.get_rng_state()] + [tracker[k] for k in sorted(tracker)]),
     }

@@ -25,6 +25,8 @@ LAYERS = {
     "hdet_megatron.line_signal": MATH,
     "hdet_megatron.line_search": MATH,
     "hdet_megatron.window_losses": MATH,
+    "hdet_megatron.probe": MATH,
+    "hdet_megatron.window": MATH,
     "hdet_megatron.averaging": MATH,
     "hdet_megatron.sim": MATH,
     "hdet_megatron.metrics": MATH,

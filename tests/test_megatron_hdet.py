@@ -84,7 +84,7 @@ def check_hdet_run(sc: Scenario, results: list[dict]) -> None:
             else:
                 assert history["arm_losses"][arm] == got
     for r in results:  # the probe ran once per window on every rank (a collective), else never
-        assert len(r["probe_losses"]) == (len(converged_steps) if sc.probe else 0)
+        assert len(r["probe_losses"]) == (len(converged_steps) if sc.probe and sc.auto else 0)
 
 
 def test_tp2_pp2_dp2_both_modes():
@@ -101,10 +101,10 @@ def test_tp2_pp2_dp2_both_modes():
         assert all(b > 2 * r["averaged_bytes"] for b in r["window_bytes"])
     # grad_sync="arm": the only traffic between arms is one parameter all-reduce per window
     # (plus the float64 loss/health reduction every rank takes part in: A health flags and one
-    # 5-entry row per DP replica, hdet_megatron.window_losses).
+    # 7-entry row per DP replica, hdet_megatron.window_losses).
     arm_results = worlds[1]
     for r in arm_results:
-        loss_bytes = (2 + 2 * 5) * 8
+        loss_bytes = (2 + 2 * 7) * 8
         assert r["window_bytes"] == [r["averaged_bytes"] + loss_bytes] * len(r["history"])
 
 
@@ -124,7 +124,7 @@ def test_tp2_dp4_arms_4_and_2():
                 twins = [o for o in results if o["arm"] == r["arm"] and o["tp_rank"] == r["tp_rank"]]
                 assert len({t["step_digests"][s]["main"] for t in twins}) == 1
     for r in worlds[2]:
-        assert r["window_bytes"] == [r["averaged_bytes"] + (2 + 4 * 5) * 8] * len(r["history"])
+        assert r["window_bytes"] == [r["averaged_bytes"] + (2 + 4 * 7) * 8] * len(r["history"])
 
 
 def test_pp2_dp4_distributed_optimizer_instances():
@@ -137,7 +137,7 @@ def test_pp2_dp4_distributed_optimizer_instances():
     for sc, results in zip(scenarios, worlds, strict=True):
         check_hdet_run(sc, results)
     for r in worlds[1]:
-        assert r["window_bytes"] == [r["averaged_bytes"] + (4 + 4 * 5) * 8] * len(r["history"])
+        assert r["window_bytes"] == [r["averaged_bytes"] + (4 + 4 * 7) * 8] * len(r["history"])
 
 
 def test_neutral_hdet_is_bit_identical_and_bf16_masters():
@@ -147,16 +147,25 @@ def test_neutral_hdet_is_bit_identical_and_bf16_masters():
         Scenario(tp=2, bf16=True, steps=6),
         Scenario(tp=2, steps=6, data_seed=3),
         Scenario(tp=2, steps=6, data_seed=3),
+        Scenario(tp=2, spread=0.0, hdet=True, period=2, steps=6, probe=True),
         Scenario(tp=2, spread=0.0, auto=False, hdet=True, period=2, steps=6, probe=True),
     ]
-    neutral, plain, bf16, first, second, neutral_probe = _worlds(4, scenarios)
+    neutral, plain, bf16, first, second, neutral_probe, probe_off = _worlds(4, scenarios)
     # signal="probe" with identical arms: the probe batch is the same on every arm, so the arms'
-    # probe losses are bit-identical (their training losses are not: different data), and the
-    # probe's forward pass leaves training untouched.
+    # probe losses are bit-identical (their training losses are not: different data), the
+    # controller has nothing to move, and the probe's forward pass leaves training untouched.
     for r, n in zip(neutral_probe, neutral, strict=True):
         assert r["final_model"] == n["final_model"] and r["losses"] == n["losses"]
+        assert len(r["probe_losses"]) == 3
         for h in r["history"]:
             assert len(set(h["arm_losses"])) == 1 and len(set(h["arm_train_losses"])) == 2
+            assert h["scales"]["lr"] == 1.0
+    # With auto-LR off nothing reads the probe: it never runs, the arms' training losses are
+    # what the (idle) controller saw, and training is the same.
+    for r, n in zip(probe_off, neutral, strict=True):
+        assert r["probe_losses"] == [] and r["final_model"] == n["final_model"]
+        for h in r["history"]:
+            assert h["arm_losses"] == h["arm_train_losses"]
     # Determinism: two identical HDET runs give bit-identical losses, params and controller.
     for a, b in zip(first, second, strict=True):
         assert a["losses"] == b["losses"] and a["history"] == b["history"]
@@ -179,7 +188,7 @@ def test_bad_setups_get_clear_errors():
         assert "initialize_model_parallel" in m["parallel_state_not_initialized"]
         assert "no loss key" in m["loss_key_missing"] and "loss_keys=" in m["loss_key_missing"]
         assert "needs Megatron DistributedDataParallel" in m["arm_sync_without_megatron_ddp"]
-        assert "signal='probe' needs probe_fn" in m["probe_without_probe_fn"]
+        assert "signal='probe' needs a probe" in m["probe_without_probe_fn"]
         assert "use_precision_aware_optimizer" in m["precision_aware_optimizer"]
         assert "train without it, or with --no-hdet" in m["precision_aware_optimizer"]
     last_stage = [m for m in messages]  # PP=1: every rank is on the last stage

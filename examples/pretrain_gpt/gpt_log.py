@@ -60,8 +60,8 @@ class RunLog:
                 f"grad_sync {c.grad_sync}, auto {c.auto} (signal {c.signal}, rule {c.rule}, "
                 f"lambda {c.meta_lr}, start scale {c.start_scale:g}, brake {'on' if c.brake else 'off'})"
             )
-            if getattr(args, "hdet_defaults_note", ""):
-                say(args.hdet_defaults_note)
+            # The auto-LR settings and the slow start are said by HDET itself, as on every path
+            # (hdet_megatron.window.startup_notice, a warning on rank 0).
             if getattr(args, "hdet_short_run_note", ""):
                 say(args.hdet_short_run_note)
         else:

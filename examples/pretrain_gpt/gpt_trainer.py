@@ -230,9 +230,12 @@ class Trainer(TrainerData):
             return
         from hdet_megatron.megatron.runtime import HDET
         from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
+        from hdet_megatron.probe import BatchProbe
 
         self.scheduler = HDETOptimizerParamScheduler(self.optimizer, hdet=self.hdet_config, **kwargs)
-        probe = self.probe_losses if self.hdet_config.signal in ("probe", "line", "average") else None
+        # Always a probe (HDET runs it only when auto-LR reads it): the next global batch, which
+        # no arm has trained on yet, scored by a forward-only pass.
+        probe = BatchProbe(self._probe_loss, self._probe_batch)
         self.hdet = HDET(self.hdet_config, self.model, self.optimizer, self.scheduler, probe_fn=probe)
 
     # -- one iteration ---------------------------------------------------------------------------
@@ -294,21 +297,24 @@ class Trainer(TrainerData):
         window = self.hdet.step(losses) if self.hdet is not None else None
         return self._mean_loss(losses), window
 
-    def probe_losses(self) -> list:
-        """HDET's probe (``--hdet-signal probe``, ``line`` or ``average``), called by ``HDET`` at
-        every converge: a forward-only pass of this rank's model on the next global batch, which
-        no arm has trained on yet. ``probe``: its first data-parallel shard, the same batch on
-        every rank (sampler with DP rank 0), so arms differ only by what their hyperparameters
-        did in the window. ``line``/``average``: this replica's own shard (HDET calls it once
-        per point of the update line and averages over all replicas). Collective (a pipeline
-        forward); dropout off, as in evaluation."""
+    def _probe_batch(self, window: int) -> list:
+        """The probe's batch of a window (HDET fetches it once, at the window's end): the
+        microbatches of the next global batch, which no arm has trained on yet. ``probe``: its
+        first data-parallel shard, the same batch on every rank (sampler with DP rank 0), so arms
+        differ only by what their hyperparameters did in the window. ``line``/``average``: this
+        replica's own shard (HDET scores it at every point of the update line and averages over
+        all replicas)."""
         start = self.consumed_train_samples
         if start + self.args.global_batch_size > len(self.train_ds):
             start = 0  # the run's last window: every sample has been seen, any batch will do
         dp_rank = 0 if self.hdet_config.signal == "probe" else None
-        batch = self._iterator(self.train_ds, start, dp_rank=dp_rank)
-        with self._evaluating():
-            return self._forward_backward(batch, forward_only=True)
+        microbatches = self._iterator(self.train_ds, start, dp_rank=dp_rank)
+        return [next(microbatches) for _ in range(self.args.num_microbatches)]
+
+    def _probe_loss(self, batch: list) -> list:
+        """HDET's probe score: a forward-only pass of this rank's model on ``batch`` (HDET runs it
+        in eval mode without autograd). Collective (a pipeline forward)."""
+        return self._forward_backward(iter(batch), forward_only=True)
 
     # -- learning rates for the logs ---------------------------------------------------------------
     def lr_view(self) -> dict:

@@ -232,6 +232,10 @@ class TorchFSDPHDET(HDET):
                     f"main param {i} is sharded over ranks {mesh_ranks}, not over this arm's "
                     f"ranks {arm_ranks}. {PURE_FSDP_EXPLANATION.split('. Build')[0]}"
                 )
+        return self._local_tensors(params)
+
+    def _local_tensors(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's local shards, as FSDP2 holds them now."""
         return local_shards(params)
 
     def _averaged_tensors(self):

@@ -7,44 +7,44 @@ Call order per iteration (as in Megatron-LM's ``train_step``)::
     scheduler.step(increment)                    # HDETOptimizerParamScheduler
     hdet.step(losses)                            # accumulates; converges every `period` steps
 
-Per step HDET adds device-side tensor adds only (no host sync). Every ``period`` steps it does
-one tiny all-reduce of the arms' window losses over the world (so every TP/PP rank computes the
-same controller update), averages the optimizer's main params across the cross-arm group with a
-:class:`BucketedAverager`, refreshes the model params from them, runs the controller and moves
-the scheduler to the next window's permutation.
+Per step HDET adds device-side tensor adds only (no host sync). Every ``period`` steps the
+window engine (:mod:`hdet_megatron.window`, shared with every other runtime) does one tiny
+all-reduce of the arms' window losses over the world (so every TP/PP rank computes the same
+controller update), runs the controller, averages the optimizer's main params across the
+cross-arm group with a :class:`BucketedAverager` and refreshes the model params from them; HDET
+then moves the scheduler to the next window's permutation. This module holds Megatron's adapter
+to the engine: main params, the reduction over the loss reporters, the model refresh.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import os
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hdet_megatron.averaging import (
+    AverageStats,
     BucketedAverager,
     GroupedAverager,
     Homer,
     own_storage,
     protect_module_state_dicts,
 )
-from hdet_megatron.config import LINE_SIGNALS, HDETConfig
-from hdet_megatron.controller import AllArmsNonFinite, AutoController, ControllerUpdate
-from hdet_megatron.line_search import LineSearch, run_probe, start_probe_window
-from hdet_megatron.line_signal import fit_line, line_points, persistence
+from hdet_megatron.config import HDETConfig
+from hdet_megatron.controller import AutoController, ControllerUpdate
+from hdet_megatron.line_search import LineSearch
 from hdet_megatron.megatron import cpu as _cpu  # noqa: F401
 from hdet_megatron.megatron.ckpt import state as ckpt_state
 from hdet_megatron.megatron.grad_sync import ArmGradSync
 from hdet_megatron.megatron.layout import ArmLayout, HDETSetupError
 from hdet_megatron.megatron.module_axes import ModuleAxes
 from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
-from hdet_megatron.window_losses import WindowLosses, params_finite, reduce_window
+from hdet_megatron.probe import PROBE_RECIPE, BatchProbe, as_probe
+from hdet_megatron.window import PROBE_SIGNALS, RollbackStore, WindowAdapter, WindowEnd, WindowEngine
+from hdet_megatron.window_losses import WindowLosses, reduce_window
 
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
@@ -60,6 +60,28 @@ PRECISION_AWARE_UNSUPPORTED = (
 
 #: Keys tried, in order, to find the loss in a loss function's reporting dict.
 DEFAULT_LOSS_KEYS = ("lm loss", "loss")
+
+
+def _window_metrics(end: WindowEnd, scales: dict[str, float], grad_bytes: int | None) -> WindowMetrics:
+    """The window engine's record of one window's end, as Megatron's logs show it."""
+    return WindowMetrics(
+        window=end.window,
+        iteration=end.step,
+        steps=end.steps,
+        arm_losses=end.arm_losses,
+        arm_values=end.arm_values,
+        excluded=end.excluded,
+        update=end.update.to_dict() if end.update is not None else None,
+        scales=dict(scales),
+        converge_seconds=end.converge_seconds,
+        converge_bytes=end.stats.bytes if end.stats is not None else 0,
+        forced=end.forced,
+        rolled_back=end.rolled_back,
+        arm_train_losses=end.train_losses,
+        grad_bytes_per_step=None if end.rolled_back else grad_bytes,
+        line=end.line.to_dict() if end.line is not None else None,
+        probe_seconds=end.probe_seconds,
+    )
 
 
 @dataclass
@@ -222,40 +244,7 @@ def _copying_param_state(method, homed_ids: set[int]):
     return get_parameter_state_dp_reshardable
 
 
-class RollbackStore:
-    """The last converged main params, in host memory or on disk (one file per rank)."""
-
-    def __init__(self, tensors: list[torch.Tensor], directory: str | None) -> None:
-        self.tensors = tensors
-        self.directory = directory
-        self._host: list[torch.Tensor] | None = None
-        if directory is not None:
-            os.makedirs(directory, exist_ok=True)
-            self.path = os.path.join(directory, f"hdet-rollback-rank{dist.get_rank()}.pt")
-        self.save()
-
-    @torch.no_grad()
-    def save(self) -> None:
-        if self.directory is None:
-            if self._host is None:
-                # Pinned when the params are on a GPU: faster device-to-host copies.
-                self._host = [torch.empty_like(t, device="cpu", pin_memory=t.is_cuda) for t in self.tensors]
-            for dst, src in zip(self._host, self.tensors, strict=True):
-                dst.copy_(src)
-        else:
-            tmp = self.path + ".tmp"
-            torch.save([own_storage(t).cpu() for t in self.tensors], tmp)
-            os.replace(tmp, self.path)  # never leave a half-written snapshot
-
-    @torch.no_grad()
-    def restore(self) -> None:
-        saved = self._host if self.directory is None else torch.load(self.path)
-        assert saved is not None  # restore() follows a save()
-        for dst, src in zip(self.tensors, saved, strict=True):
-            dst.copy_(src)
-
-
-class HDET:
+class HDET(WindowAdapter):
     """Hyperparameter-Divergent Ensemble Training on Megatron-Core.
 
     Args:
@@ -267,14 +256,16 @@ class HDET:
         loss_keys: keys looked up in each microbatch's loss dict.
         rollback_dir: with ``config.rollback``, where the last converged main params are kept:
             None = host memory, else a directory (one file per rank).
-        probe_fn: required with ``config.signal`` ``"probe"`` or ``"line"``: called on every rank
-            at the end of each window, before the average, it runs a forward-only pass of this
-            rank's model chunks on a batch that no arm has trained on, and returns what
-            ``forward_backward_func`` returned (per-microbatch losses; empty on non-last pipeline
-            stages). Collective (it is a pipeline forward). With ``"probe"`` the batch must be
-            the same on every arm; with ``"line"`` each data-parallel replica should use its own
-            (e.g. its shard of the next global batch): it is called once per line point with
-            the model set to that point, and must return the same batch each time.
+        probe_fn: a :class:`~hdet_megatron.probe.BatchProbe` ``(loss_fn, batches)`` (needed by
+            the signals ``"probe"``, ``"line"`` and ``"average"``, and what gives the ``average``
+            defaults): ``batches(window)`` returns this rank's held-out batch of the window (e.g.
+            the microbatches of its shard of the next global batch), ``loss_fn(batch)`` runs a
+            forward-only pass of this rank's model chunks on it and returns what
+            ``forward_backward_func(forward_only=True)`` returned (per-microbatch losses; empty
+            off the last pipeline stage). The engine fetches the batch once per window and
+            scores it once (``"probe"``: the same batch on every replica, checked) or at every
+            point of the update line (each replica its own). Collective (a pipeline forward).
+            Not run with auto-LR off. A bare callable is refused.
     """
 
     def __init__(
@@ -286,8 +277,9 @@ class HDET:
         pg_collection=None,
         loss_keys: Sequence[str] = DEFAULT_LOSS_KEYS,
         rollback_dir: str | None = None,
-        probe_fn: Callable[[], Sequence[Any]] | None = None,
+        probe_fn: BatchProbe | None = None,
     ) -> None:
+        probe = as_probe(probe_fn)
         if not isinstance(scheduler, HDETOptimizerParamScheduler):
             raise HDETSetupError(
                 "HDET needs an HDETOptimizerParamScheduler (a drop-in for Megatron's "
@@ -303,17 +295,15 @@ class HDET:
         if scheduler.optimizer is not optimizer:
             raise HDETSetupError("the scheduler was built for a different optimizer")
         # "auto"/None fields resolve to the measured defaults, which depend on the probe.
-        scheduler.adopt_probe(probe_fn is not None)
+        scheduler.adopt_probe(probe is not None)
         config = scheduler.hdet_config
-        if scheduler.resolution_note:
-            log = logger.warning if config.auto and probe_fn is None else logger.info
-            log("%s", scheduler.resolution_note)
-        if config.signal in ("probe",) + LINE_SIGNALS and probe_fn is None:
+        if config.signal in PROBE_SIGNALS and probe is None:
             raise HDETSetupError(
-                f"HDETConfig.signal={config.signal!r} needs probe_fn: a forward-only pass on an "
-                "unseen batch (examples/pretrain_gpt provides one); use signal='train' otherwise"
+                f"HDETConfig.signal={config.signal!r} needs a probe (a forward-only pass on "
+                f"held-out batches; examples/pretrain_gpt builds one); {PROBE_RECIPE}; or use "
+                "signal='train'"
             )
-        self.probe_fn = probe_fn
+        self.probe_fn = probe
         self.config = config
         # Megatron's model chunks (DDP / FSDP wrappers): untyped, used through their own methods.
         self.model: list[Any] = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -336,26 +326,19 @@ class HDET:
         self.grad_sync = self._make_grad_sync()
         self.grad_sync.install()
 
-        device = self._main_params[0].device if self._main_params else torch.device("cpu")
-        self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        # The line signals' engine: the window start (the last converged main params), a scratch
-        # copy of this arm's params and, for "average", the running sum of the window's
-        # displacements (2 or 3 copies of the main params: the signals' memory cost).
-        self.line_search: LineSearch | None = None
-        self.steps_in_window = 0
-        if config.signal in LINE_SIGNALS:
-            self.line_search = LineSearch(self._main_params, config.signal)
-            self.mark_window_start()
-        self.rollback = RollbackStore(self._main_params, rollback_dir) if config.rollback else None
-        self.rollbacks = 0
+        self.arm = self.layout.arm
+        self.num_arms = self.layout.num_arms
+        self.device = self._main_params[0].device if self._main_params else torch.device("cpu")
         self.iteration = 0
         self.history: list[WindowMetrics] = []
-        self.last_update: ControllerUpdate | None = None
+        # The window engine: losses, probes, line search, rollback store, controller update.
+        self.engine = WindowEngine(self, probe, rollback_dir=rollback_dir, note=scheduler.resolution_note)
+        # Last: attaching applies a checkpoint's pending window state to the engine.
         scheduler.hdet_runtime = self
         self.on_window_change()
 
     @property
-    def _controller(self) -> AutoController:
+    def controller(self) -> AutoController:
         """The scheduler's controller (a resume replaces it; HDET's scheduler always has one)."""
         controller = self.scheduler.controller
         assert controller is not None
@@ -363,11 +346,16 @@ class HDET:
 
     def on_window_change(self) -> None:
         """Apply this arm's module-axis values for the scheduler's current window."""
-        self.module_axes.apply(self._controller.scales(), self.scheduler.arm_spread_values())
+        self.module_axes.apply(self.controller.scales(), self.scheduler.arm_spread_values())
 
     # -- extension points (hdet_megatron.megatron.fsdp overrides them) --------------------------
     def _converge_tensors(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The tensors converge averages across arms, from the optimizer's main params."""
+        """The tensors converge averages across arms, from the optimizer's main params (checked
+        once, at construction)."""
+        return self._local_tensors(params)
+
+    def _local_tensors(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors of ``params`` this rank holds, as they are now (cheap: read per step)."""
         return params
 
     def _after_probe(self) -> None:
@@ -491,12 +479,10 @@ class HDET:
                     "HDET.step() got no losses on the last pipeline stage; pass the list that "
                     "forward_backward_func returned (per-microbatch loss outputs)"
                 )
-            self._loss_sum += self._step_loss(losses)
-        if self.line_search is not None:
-            self.line_search.accumulate()  # "average": one device-side _foreach add
+            self.engine.add_loss(self._step_loss(losses))
+        self.engine.after_step()  # "average": one device-side _foreach add
         self.iteration += 1
-        self.steps_in_window += 1
-        if self.steps_in_window >= self.config.period:
+        if self.engine.steps_in_window >= self.config.period:
             return self._end_window(forced=False)
         return None
 
@@ -505,31 +491,44 @@ class HDET:
 
         Collective. A no-op when the current window has no steps yet.
         """
-        if self.steps_in_window == 0:
+        if self.engine.steps_in_window == 0:
             return None
         return self._end_window(forced=True)
 
-    # -- the converge ---------------------------------------------------------------------------
-    def _probe_loss(self) -> torch.Tensor | None:
-        """This rank's probe loss (None off the last pipeline stage): ``probe_fn`` runs under
-        ``torch.no_grad()`` with the model chunks in eval mode (restored afterwards)."""
-        assert self.probe_fn is not None  # __init__ requires it for the signals that probe
-        losses = run_probe(self.probe_fn, self.model)
+    # -- the window engine's adapter -------------------------------------------------------------
+    def tensors(self) -> list[torch.Tensor]:
+        """The main params (or this rank's shards of them) as they are now: a framework may have
+        replaced a tensor object since construction (FSDP2 local shards)."""
+        return self._local_tensors(main_params(self.optimizer))
+
+    def probe_modules(self) -> list[torch.nn.Module]:
+        return self.model
+
+    def refresh(self) -> None:
+        self._refresh_model_params()
+
+    def after_probe(self) -> None:
         self._after_probe()
+
+    def probe_value(self, raw: Any) -> torch.Tensor | None:
+        """This rank's probe loss (None off the last pipeline stage) from what the probe's
+        ``loss_fn`` returned (``forward_backward_func``'s per-microbatch losses)."""
         if not self.layout.is_last_stage:
             return None
-        if not losses:
+        if not raw:
             raise HDETSetupError(
-                "probe_fn returned no losses on the last pipeline stage; return what "
+                "the probe's loss_fn returned no losses on the last pipeline stage; return what "
                 "forward_backward_func(forward_only=True) returned"
             )
-        return self._step_loss(losses)
+        return self._step_loss(raw)
 
-    def _reduce_window(self, probe: torch.Tensor | None, num_points: int) -> WindowLosses:
+    def reduce(
+        self, *, train_sum, train_count, probe, points, num_points, finite, fingerprint
+    ) -> WindowLosses:
         """The window's one small all-reduce over the world (so every TP/PP rank computes the
-        same controller update): each loss reporter's (one per DP replica) mean training loss,
-        its probe loss (``signal="probe"``) or its losses at the line points, and every rank's
-        verdict on its own (shard of the) main params (device-side until the reduction)."""
+        same controller update): each loss reporter's (one per DP replica) training-loss sum and
+        count, its probe loss or its losses at the line points and its batch's fingerprint, and
+        every rank's verdict on its own (shard of the) main params."""
         layout = self.layout
         reporter = layout.is_loss_reporter
         return reduce_window(
@@ -538,14 +537,49 @@ class HDET:
             arm=layout.arm,
             row=layout.loss_row if reporter else None,
             group=layout.loss_group,
-            device=self._loss_sum.device,
-            train_sum=self._loss_sum / self.steps_in_window if reporter else 0.0,
-            train_count=1.0,
-            probe=probe if reporter and num_points == 0 else None,
-            points=probe if reporter and num_points else None,
+            device=self.device,
+            train_sum=train_sum if reporter else 0.0,
+            train_count=float(train_count) if reporter else 0.0,
+            probe=probe if reporter else None,
+            points=points if reporter else None,
             num_points=num_points,
-            finite=params_finite(self._main_params),
+            finite=finite,
+            fingerprint=fingerprint if reporter else None,
         )
+
+    def horizon_lrs(self, step: int) -> tuple[float, float]:
+        return self.scheduler.horizon_lrs()
+
+    def base_values(self, step: int) -> dict[str, float]:
+        return {**self.scheduler.base_values(), **self.module_axes.base_values()}
+
+    def average(self, weight: float | None) -> AverageStats:
+        return self.averager.average(weights=weight)
+
+    def sanitize_optimizer_state(self) -> None:
+        _sanitize_optimizer_state(self.optimizer)
+
+    # -- the window's state -----------------------------------------------------------------------
+    @property
+    def steps_in_window(self) -> int:
+        """Iterations since the last converge (the engine's count)."""
+        return self.engine.steps_in_window
+
+    @property
+    def line_search(self) -> LineSearch | None:
+        return self.engine.line_search
+
+    @property
+    def rollback(self) -> RollbackStore | None:
+        return self.engine.rollback
+
+    @property
+    def rollbacks(self) -> int:
+        return self.engine.num_rollbacks
+
+    @property
+    def last_update(self) -> ControllerUpdate | None:
+        return self.engine.last_update
 
     def mark_window_start(self) -> None:
         """``signal="line"``/``"average"``: remember the main params as the start of the update
@@ -553,147 +587,26 @@ class HDET:
         converged one); call it yourself if you change the main params between windows by other
         means. Mid-window (a resume without converge-on-save) the params are not the window's
         start: that window's line is unknown, and it does not steer the controller."""
-        if self.line_search is not None:
-            self.line_search.mark_window_start(self.steps_in_window)
+        self.engine.mark_window_start()
 
-    def _line_probe(self, arm_values: dict) -> tuple[list[float], torch.Tensor | None]:
-        """This rank's probe loss at every point of the window's update line (the arms' distinct
-        multipliers): written into the main params, copied to the model params (all-gathered
-        inside the arm with DistOpt, as after a converge), probed, then the arm's own params are
-        restored bit-exactly (:class:`~hdet_megatron.line_search.LineSearch`). Collective inside
-        the arm and the pipeline; the same number of calls on every rank."""
-        points = line_points(arm_values["lr"])
-        rho = arm_values["lr"][self.layout.arm]
-        assert self.line_search is not None  # the line signals have one
-        losses = self.line_search.evaluate(points, rho, self._refresh_model_params, self._probe_loss)
-        return points, losses
+    def load_window(self, steps_in_window: int, arm_loss_sum: float) -> None:
+        """Continue a window from a checkpoint: its iterations and this arm's loss sum (kept on
+        the last stage, where the losses are)."""
+        last = self.layout.is_last_stage
+        self.engine.load_window(
+            steps_in_window, arm_loss_sum if last else 0.0, steps_in_window if last else 0
+        )
 
+    # -- the converge ---------------------------------------------------------------------------
     def _end_window(self, forced: bool) -> WindowMetrics:
         self._check_param_groups_unchanged()
-        arm_values = self.scheduler.arm_spread_values()
-        line_pts = None
-        probe_start = time.perf_counter()
-        if self.config.signal == "probe":
-            start_probe_window(self.probe_fn, self.scheduler.window)
-            probe = self._probe_loss()
-        elif self.line_search is not None and self.line_search.valid:
-            start_probe_window(self.probe_fn, self.scheduler.window)
-            line_pts, probe = self._line_probe(arm_values)
-        else:
-            probe = None
-        # Host time of the probes (their forward passes are launched here; on an accelerator part
-        # of them may run on after this, so it is a lower bound there).
-        probe_seconds = time.perf_counter() - probe_start
-        reduced = self._reduce_window(probe, len(line_pts) if line_pts is not None else 0)  # one host sync
-        train_losses, bad_params = reduced.train, reduced.bad
-        line = None
-        if line_pts is not None:
-            base_now, base_end = self.scheduler.horizon_lrs()
-            # "average" is not corrected: the weight average already leaves the noise floor out.
-            kappa = persistence(base_now, base_end) if self.config.signal == "line" else 1.0
-            # Point means over the replicas whose arm is finite (one diverged arm cannot poison
-            # the points the healthy replicas evaluated; its own pseudo-loss is inf below).
-            line = fit_line(line_pts, reduced.point_losses, arm_values["lr"], kappa, reduced.replica_losses)
-            arm_losses = list(line.pseudo_losses)
-        elif self.config.signal in LINE_SIGNALS:
-            # No line this window (see mark_window_start): equal losses, so nothing moves.
-            arm_losses = [0.0 if math.isfinite(x) else x for x in train_losses]
-        elif self.config.signal == "probe":
-            arm_losses = reduced.probe
-        else:
-            arm_losses = train_losses
-        # An arm whose parameters blew up is as bad as an infinite loss, whatever it reported.
-        arm_losses = [math.inf if bad else loss for loss, bad in zip(arm_losses, bad_params, strict=True)]
-        excluded = [a for a, loss in enumerate(arm_losses) if not math.isfinite(loss)]
-        try:
-            # Raises AllArmsNonFinite / NonFiniteArm (on every rank alike) before anything
-            # changes, so with nonfinite="raise" nothing diverged is ever averaged or saved.
-            update = self._controller.update(
-                arm_losses,
-                arm_values,
-                step=self.iteration,
-                base_values={**self.scheduler.base_values(), **self.module_axes.base_values()},
-                line=line,
-                train_losses=[
-                    math.inf if bad else x for x, bad in zip(train_losses, bad_params, strict=True)
-                ],
-            )
-        except AllArmsNonFinite:
-            if self.rollback is None:
-                raise
-            return self._roll_back(arm_losses, arm_values, forced, train_losses)
-        start = time.perf_counter()
-        # Weights only when some arm is excluded (every rank knows ``excluded`` alike): a plain
-        # mean needs no up-front weight reduction.
-        weight = None if not excluded else (0.0 if self.layout.arm in excluded else 1.0)
-        stats = self.averager.average(weights=weight)
-        self._refresh_model_params()
-        if self.layout.arm in excluded:
-            _sanitize_optimizer_state(self.optimizer)
-        if self.rollback is not None:
-            self.rollback.save()
-        converge_seconds = time.perf_counter() - start
-        metrics = WindowMetrics(
-            window=self.scheduler.window,
-            iteration=self.iteration,
-            steps=self.steps_in_window,
-            arm_losses=arm_losses,
-            arm_values=arm_values,
-            excluded=excluded,
-            update=update.to_dict() if update is not None else None,
-            scales=dict(self._controller.scales()),
-            converge_seconds=converge_seconds,
-            converge_bytes=stats.bytes,
-            forced=forced,
-            arm_train_losses=train_losses,
-            grad_bytes_per_step=self.grad_bytes_per_step,
-            line=line.to_dict() if line is not None else None,
-            probe_seconds=probe_seconds,
+        window = self.scheduler.window
+        end = self.engine.end_window(
+            window, self.iteration, self.scheduler.arm_spread_values(), forced=forced
         )
-        self.last_update = update
+        metrics = _window_metrics(end, self.controller.scales(), self.grad_bytes_per_step)
         self.history.append(metrics)
-        self._loss_sum.zero_()
-        self.steps_in_window = 0
-        self.mark_window_start()
-        self.scheduler.set_window(self.scheduler.window + 1)
-        return metrics
-
-    def _roll_back(self, arm_losses, arm_values, forced: bool, train_losses) -> WindowMetrics:
-        """Every arm diverged: restore the last converged params and halve the scale."""
-        start = time.perf_counter()
-        assert self.rollback is not None  # a rollback needs config.rollback (the store)
-        self.rollback.restore()
-        self._refresh_model_params()
-        _sanitize_optimizer_state(self.optimizer)
-        self._controller.cut_scale(0.5)
-        self.rollbacks += 1
-        logger.warning(
-            "HDET: every arm diverged in window %d (losses %s); restored the last converged "
-            "parameters and cut the scale to %s",
-            self.scheduler.window,
-            arm_losses,
-            self._controller.scales(),
-        )
-        metrics = WindowMetrics(
-            window=self.scheduler.window,
-            iteration=self.iteration,
-            steps=self.steps_in_window,
-            arm_losses=arm_losses,
-            arm_values=arm_values,
-            excluded=list(range(len(arm_losses))),
-            update=None,
-            scales=dict(self._controller.scales()),
-            converge_seconds=time.perf_counter() - start,
-            converge_bytes=0,
-            forced=forced,
-            rolled_back=True,
-            arm_train_losses=train_losses,
-        )
-        self.history.append(metrics)
-        self._loss_sum.zero_()
-        self.steps_in_window = 0
-        self.mark_window_start()
-        self.scheduler.set_window(self.scheduler.window + 1)
+        self.scheduler.set_window(window + 1)
         return metrics
 
     @property

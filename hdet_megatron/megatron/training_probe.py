@@ -14,9 +14,12 @@ batch, read ahead of the training stream without consuming it:
 * :class:`TrainingLoopProbe` runs Megatron's own ``forward_backward_func(forward_only=True)``
   with the ``forward_step_func`` of the run on those batches, so TP, PP (also interleaved) and CP
   work as in Megatron's ``evaluate``; it returns the per-microbatch loss dicts, as
-  :class:`~hdet_megatron.megatron.runtime.HDET` expects of a ``probe_fn``. Only the batches a
-  forward step actually asks for are read (a middle pipeline stage reads none), and each call of
-  one window hands out fresh copies of the same batches (the line signals probe once per point).
+  :class:`~hdet_megatron.megatron.runtime.HDET` expects of a probe's ``loss_fn``. It is a
+  :class:`~hdet_megatron.probe.BatchProbe`: the window engine asks for the window's batch once
+  (:meth:`TrainingLoopProbe.new_window`) and scores it at every point. Only the batches a
+  forward step actually asks for are read (a middle pipeline stage reads none), and each score
+  of one window hands out fresh copies of the same batches (the line signals score once per
+  point); the batch fingerprint is taken from what was read.
 
 With ``--hdet-signal probe`` every arm must score the *same* batch: each batch is replaced by data
 parallel rank 0's (one ``broadcast_object_list`` per microbatch and window over the DP group);
@@ -36,6 +39,7 @@ from typing import Any
 import torch
 
 from hdet_megatron.megatron.layout import HDETSetupError
+from hdet_megatron.probe import BatchProbe, batch_fingerprint
 
 __all__ = ["PeekableIterator", "TrainingLoopProbe"]
 
@@ -124,18 +128,20 @@ class _WindowBatches:
         return _copy(batch)
 
 
-class TrainingLoopProbe:
-    """``probe_fn`` of :class:`~hdet_megatron.megatron.runtime.HDET` in Megatron-LM's loop.
+class TrainingLoopProbe(BatchProbe):
+    """The probe of :class:`~hdet_megatron.megatron.runtime.HDET` in Megatron-LM's loop.
 
     ``train_step``'s hook calls :meth:`bind` every iteration with what ``train_step`` was given
-    (forward step, data iterator, model, ``forward_backward_func``, communicators); HDET calls
-    :meth:`new_window` and then the probe (once, or once per line point) at a window's end.
+    (forward step, data iterator, model, ``forward_backward_func``, communicators); the window
+    engine asks for the window's batch (:meth:`new_window`: the read-ahead starts) and then
+    scores it (:meth:`__call__`, once or once per line point) at a window's end.
 
     Args:
         signal: the run's ``HDETConfig.signal`` (``"probe"``: every arm scores DP rank 0's batch).
     """
 
     def __init__(self, signal: str) -> None:
+        super().__init__(lambda _window: self(), self._start_window)
         self.signal = signal
         self._context: dict | None = None
         self._streams: list[PeekableIterator | None] = []
@@ -184,6 +190,16 @@ class TrainingLoopProbe:
             self._previous = self._batches
         self._batches = [[] for _ in self._streams]
         self._window = window
+
+    def _start_window(self, window: int) -> int:
+        """The engine's fetch of the window's batch: the read-ahead of ``window`` starts (the
+        batches themselves are read by the forward steps that ask for them)."""
+        self.new_window(window)
+        return window
+
+    def fingerprint(self, batch: Any, device: torch.device) -> torch.Tensor | None:
+        """The fingerprint of the batches this window's forward steps read."""
+        return batch_fingerprint(self._batches, device)
 
     # -- reading ---------------------------------------------------------------------------------
     def _batch(self, stream: int, index: int) -> Any:

@@ -300,12 +300,10 @@ def reset_for_plain_checkpoint(scheduler) -> None:
         "starts at scale 1 with window 0 from the checkpoint's iteration"
     )
     if runtime is not None:
-        runtime.steps_in_window = 0
-        runtime._loss_sum.zero_()
         runtime._save_snapshot = None
         # The loaded params start the first window's update line (signal="line"/"average");
         # checkpoints load the model before the scheduler state, as Megatron's load_checkpoint.
-        runtime.mark_window_start()
+        runtime.load_window(0, 0.0)
     scheduler._hdet_pending_runtime = None
     scheduler.set_window(0)
 

@@ -104,13 +104,11 @@ def _apply_runtime(runtime, values: Mapping) -> None:
     layout = runtime.layout
     local = float(sums[layout.arm]) if (sums is not None and layout.is_last_stage) else 0.0
     runtime.iteration = int(values["iteration"])
-    runtime.steps_in_window = int(values["steps_in_window"])
-    runtime._loss_sum.fill_(local)
     # The loaded position can be saved again as is (until the next step).
     runtime._save_snapshot = (runtime.iteration, list(sums)) if sums is not None else None
     # signal="line"/"average": the loaded params start the update line (checkpoints load the
     # model before the scheduler state, as Megatron's load_checkpoint does).
-    runtime.mark_window_start()
+    runtime.load_window(int(values["steps_in_window"]), local)
 
 
 def load_runtime_state(runtime, state: Any) -> None:
@@ -194,9 +192,9 @@ def prepare_save(hdet) -> Any | None:
         "ranks), so the saved model mixes arms",
     )
     layout = hdet.layout
-    buf = torch.zeros(2 * layout.num_arms, dtype=torch.float64, device=hdet._loss_sum.device)
+    buf = torch.zeros(2 * layout.num_arms, dtype=torch.float64, device=hdet.device)
     if layout.is_loss_reporter:
-        buf[layout.arm] = hdet._loss_sum
+        buf[layout.arm] = hdet.engine.losses.total()
         buf[layout.num_arms + layout.arm] = 1.0
     dist.all_reduce(buf, group=layout.loss_group)
     values = buf.tolist()
