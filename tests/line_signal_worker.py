@@ -43,6 +43,7 @@ def line_world(rank: int, world_size: int, root: str) -> dict:
         job.save(os.path.join(root, signal), "torch")
         _train(job, 9, syncs)
         res = {"reference": job.result(), "syncs": syncs, "probe_losses": list(job.probe_losses)}
+        res["start_scale"] = job.hdet.config.start_scale
         job.close()
         # 2. Resume from the checkpoint in fresh objects: bit-identical from there on.
         job = Job(run, world_size)
@@ -50,12 +51,13 @@ def line_world(rank: int, world_size: int, root: str) -> dict:
         _train(job, 9, [])
         res["resumed"] = job.result()
         job.close()
-        # 3. The line's forward passes leave training untouched: with the controller off, the
-        #    run is bit-identical to a train-signal run.
+        # 3. With the controller off nothing reads the line: it is not probed, and the run is
+        #    bit-identical to a train-signal run.
         job = Job(Run(period=3, steps=6, spread=0.3, config={**config, "auto": False}), world_size)
         job.seek(0)
         _train(job, 6, [])
         res["off"] = job.result()
+        res["off_probes"] = len(job.probe_losses)
         job.close()
         out[signal] = res
     job = Job(Run(period=3, steps=6, spread=0.3, config={"auto": False}), world_size)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import logging
 import math
 from dataclasses import dataclass, field, replace
 
@@ -50,6 +51,9 @@ class ProbeRun:
     save_dir: str | None = None
     max_lr: float = 0.05
     """``HDETOneCycleLR``'s peak LR (the brake test sets it far too high)."""
+    batches: str | None = None
+    """Whose probe batches: None = as documented (``probe``: one stream for all ranks, the line
+    signals: each rank its own), ``"shared"`` or ``"own"`` to get it wrong on purpose."""
 
 
 def _batch(rank: int, step: int, n: int = 16):
@@ -135,7 +139,8 @@ def run(rank: int, world: int, spec: ProbeRun) -> dict:
         **{**extra, **spec.config},
     )
     # "probe": one batch shared by all ranks; the line signals: each rank its own batch.
-    key = 0 if spec.signal == "probe" else rank
+    shared = spec.signal == "probe" if spec.batches is None else spec.batches == "shared"
+    key = 0 if shared else rank
     probed: list[float] = []
 
     def loss_fn(batch):
@@ -170,6 +175,8 @@ def run(rank: int, world: int, spec: ProbeRun) -> dict:
         start = sched.last_epoch
     rt = sched._hdet
     out: dict = {"arm": sched.arm, "digests": {}, "lrs": {}, "history": [], "syncs": [], "restored": []}
+    out["start_scale"] = sched.hdet.start_scale
+    out["error"] = None
     out["rng_kept"] = out["mode_kept"] = True
     # The params the averager sees must be those the last optimizer step left (probes restored).
     expected: dict = {}
@@ -197,8 +204,12 @@ def run(rank: int, world: int, spec: ProbeRun) -> dict:
         expected["params"] = _flat(model)
         rng = torch.get_rng_state()
         converges = rt.num_converges
-        with HostSyncCounter() as counter:
-            sched.step(loss.detach())
+        try:
+            with HostSyncCounter() as counter:
+                sched.step(loss.detach())
+        except RuntimeError as err:  # a misuse the window engine refuses (same on every rank)
+            out["error"] = f"{type(err).__name__}: {err}"
+            break
         converged = rt.num_converges != converges
         out["syncs"].append((converged, counter.total))
         out["rng_kept"] &= bool(torch.equal(rng, torch.get_rng_state()))
@@ -235,13 +246,29 @@ def run(rank: int, world: int, spec: ProbeRun) -> dict:
     return out
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def world_runs(rank: int, world: int, specs: list[ProbeRun]) -> list[dict]:
     results = []
+    hdet_log = logging.getLogger("hdet_megatron")
     for spec in specs:
         if spec.resume == "previous":  # resume from the checkpoint the previous run took
             ckpt = results[-1].pop("checkpoint", None) if not spec.fsdp else None
             spec = replace(spec, resume={"dir": spec.save_dir} if spec.fsdp else ckpt, save_dir=None)
-        results.append(run(rank, world, spec))
+        records = _Records()
+        hdet_log.addHandler(records)
+        try:
+            results.append(run(rank, world, spec))
+        finally:
+            hdet_log.removeHandler(records)
+        results[-1]["warnings"] = records.messages  # what rank 0 logs (the others log nothing)
         dist.barrier()
     for r in results:
         r.pop("checkpoint", None)

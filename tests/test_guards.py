@@ -68,15 +68,33 @@ def run_windows(ctl: AutoController, windows: list[list[float]], signal=None) ->
     return ups
 
 
+def answering(x: float, level: float) -> float:
+    """A loss that answers the LR: best at the effective LR ``x = c * rho`` of 1, 5% worse at
+    e-fold off it."""
+    return level * (1 + 0.05 * math.log(x) ** 2)
+
+
 def test_brake_is_silent_in_healthy_and_noisy_runs():
+    """Healthy runs whose losses answer the controller's scale (best at scale 1): the brake never
+    fires, the controller moves, and the scale settles near 1 (not at a bound: a test whose
+    losses ignored the scale would let it climb to 100 and call that healthy)."""
     rng = np.random.default_rng(0)
     for ctl in (train_ctl(), average()):
-        windows = [[x + 0.03 * rng.standard_normal() for x in calm(k)] for k in range(60)]
-        # The line signal says "higher" every window; the training losses are noisy but healthy.
-        signal = None if ctl.config.signal == "train" else [[(r - 2.0) ** 2 for r in RHO]] * 60
-        ups = run_windows(ctl, windows, signal)
+        start = ctl.scale("lr")
+        ups = []
+        for k in range(60):
+            c, level = ctl.scale("lr"), 3.0 * 0.98**k
+            train = [answering(c * r, level) + 0.03 * rng.standard_normal() for r in RHO]
+            # average: the line's points answer the scale too (noise-free here: the probe's).
+            signal = train if ctl.config.signal == "train" else [answering(c * r, level) for r in RHO]
+            ups.append(ctl.update(signal, {"lr": RHO}, step=10 * (k + 1), train_losses=train))
         assert [u.brake for u in ups] == [None] * 60
         assert all(u.hold == 0 for u in ups)
+        assert any(u.moved and u.deltas["lr"] != 0.0 for u in ups)
+        scales = [u.scales["lr"] for u in ups]
+        assert 0.5 < scales[-1] < 2.0 and max(scales) < 4.0, (ctl.config.signal, start, scales)
+    # The average controller climbed from its slow start to the right scale.
+    assert start == 0.25 and 0.8 < scales[-1] < 1.25, scales
 
 
 def test_brake_fires_on_a_spike_cuts_and_holds():
@@ -221,6 +239,19 @@ def test_simulate_shows_the_guards_from_both_sides(capsys):
     config = HDETConfig(period=50, signal="average")
     low = simulate_budget(config, 8, 0.25, 1000, problem=problem)
     assert low.scales[-1] > low.scales[0]
+    # From 4x too high the run must end near the right LR, not only without a brake: the LR
+    # over the run (geometric mean of the peak LR / the best, per window) within [1/3, 2], the
+    # expected loss within 25% of a perfect sweep's and far below plain training at that guess;
+    # and the controller acted (the slow start alone lands on the best LR from exactly 4x).
+    auto = HDETConfig(
+        period=50, axes=(Axis("lr", 0.3),), signal="average", rule="newton", meta_lr=1.0, momentum=0.5
+    )
+    for seed in range(3):
+        run = simulate_budget(auto, 8, 4.0, 1000, problem=problem, seed=seed)
+        plain = simulate_budget(auto.replace(auto=False), 8, 4.0, 1000, problem=problem, seed=seed)
+        mean_scale = math.exp(float(np.mean(np.log(run.effective_scales))))
+        assert 1 / 3 < mean_scale < 2.0 and run.gap < 0.25 and run.gap < plain.gap / 4, (seed, mean_scale)
+        assert any(u.moved and u.deltas["lr"] != 0.0 for u in run.updates)
 
 
 # -- a 4-rank world forced far too high -----------------------------------------------------------

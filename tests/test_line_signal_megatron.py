@@ -35,7 +35,10 @@ def test_line_signals_on_megatron(world, signal):
     # at the end of the cosine decay; "average" is never corrected.
     kappas = [w[3]["persistence"] for w in windows]
     assert kappas[0] < kappas[1] < kappas[2] == 1.0 if signal == "line" else kappas == [1.0] * 3
-    assert ref["scales"]["lr"] != 1.0  # the controller moved on the line's evidence
+    # The controller moved on the line's evidence: away from its (slow) start, by its own steps.
+    start = results[0]["start_scale"]
+    assert start == 0.25 and ref["scales"]["lr"] != start
+    assert [w[1]["lr"] for w in windows][0] != start
     # The line's point losses are the mean over all 4 replicas of what each evaluated (its own
     # batch at each of the 4 points, in order), i.e. the same data for every point.
     for w, (_it, _scales, _pseudo, line) in enumerate(windows):
@@ -52,8 +55,9 @@ def test_line_signals_on_megatron(world, signal):
         assert got["losses"] == {s: v for s, v in want["losses"].items() if s > 6}
         assert got["params"] == want["params"] and got["scales"] == want["scales"]
         assert got["history"] == [h for h in want["history"] if h[0] > 6]
-    # Probing the line changes nothing about training (controller off in both runs).
+    # With the controller off the line is not probed, and training is the train signal's.
     for r, plain in zip(results, world, strict=True):
+        assert r["off_probes"] == 0
         assert r["off"]["params"] == plain["train_off"]["params"]
         assert r["off"]["losses"] == plain["train_off"]["losses"]
     # The two signals see different points (end points vs window averages).

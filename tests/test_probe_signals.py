@@ -1,5 +1,5 @@
 """Probe signals (``probe``, ``line``, ``average``) in ``HDETOneCycleLR``: DDP and FSDP2/HSDP on
-4 gloo ranks, through the shared line-search engine (hdet_megatron.line_search)."""
+4 gloo ranks, through the window engine (hdet_megatron.window), and the probe API's misuse."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from hdet_megatron import BatchProbe
 from hdet_megatron.config import Axis, HDETConfig
-from hdet_megatron.line_search import BatchProbe, eval_mode, probe_scalar
+from hdet_megatron.probe import batch_fingerprint, eval_mode, probe_scalar
 from hdet_megatron.torch_scheduler import HDETOneCycleLR
 from tests.harness import run_world
 from tests.probe_worker import ProbeRun, world_runs
@@ -46,6 +47,15 @@ def _check_line_means(results: list[dict], points_per_window: int) -> None:
             assert math.isclose(value, sum(local) / len(local), rel_tol=1e-6)
 
 
+def _moved(results: list[dict]) -> None:
+    """The controller moved: its scale left the (slow) start, by steps it took itself."""
+    history = results[0]["history"]
+    start = results[0]["start_scale"]
+    moves = [h["update"]["deltas"]["lr"] for h in history if h["update"]["moved"]]
+    assert moves and any(d != 0.0 for d in moves), moves
+    assert history[-1]["scales"]["lr"] != start, (start, [h["scales"]["lr"] for h in history])
+
+
 def _same_training(a: list[dict], b: list[dict]) -> None:
     for ra, rb in zip(a, b, strict=True):
         assert ra["digests"] == rb["digests"] and ra["lrs"] == rb["lrs"]
@@ -69,18 +79,25 @@ def test_probe_signals_ddp_4_ranks():
         replace(probe, save_at=None, resume="previous"),
         ProbeRun(signal="line", save_at=6),
         replace(ProbeRun(signal="line"), resume="previous"),
-        # Probing changes nothing about training: with the controller off, bit-identical to
-        # the train signal.
+        # With the controller off nothing reads the probes: none runs, and training is
+        # bit-identical to the train signal's.
         ProbeRun(signal="average", auto=False),
         ProbeRun(signal="train", auto=False),
         # Issue #29 bug 1: arm 1's params turn NaN at the end of window 2; only arm 1 is left
         # out, the line comes from the healthy replicas, nothing rolls back.
         ProbeRun(signal="average", nan_at=6, steps=9),
         ProbeRun(signal="line", nan_at=6, steps=9, config={"rollback": True}),
+        # Misuse: "probe" with each rank's own batch (an error at the first window's end), the
+        # line signal with one batch everywhere (a warning, and the noise guard sees no noise).
+        ProbeRun(signal="probe", batches="own"),
+        ProbeRun(signal="average", batches="shared", steps=6),
     ]
     runs = run_world(4, world_runs, specs, timeout=300)
     res = [[runs[r][i] for r in range(4)] for i in range(len(specs))]
-    avg_r, avg_resumed, probe_r, probe_resumed, line_r, line_resumed, off, train_off, nan_avg, nan_line = res
+    avg_r, avg_resumed, probe_r, probe_resumed, line_r, line_resumed, off, train_off, nan_avg, nan_line = res[
+        :10
+    ]
+    own_probe, shared_avg = res[10:]
     for spec, results in ((avg, avg_r), (probe, probe_r), (specs[4], line_r)):
         _check_run(results, spec)
     _check_line_means(avg_r, 4)
@@ -90,7 +107,11 @@ def test_probe_signals_ddp_4_ranks():
         assert h["line"] is None
         assert h["update"]["arm_losses"] == [probe_r[a]["probed"][w] for a in range(4)]
     for results in (avg_r, probe_r, line_r):
-        assert results[0]["history"][-1]["scales"]["lr"] != 1.0  # it moved
+        _moved(results)
+    # The slow start is announced once, on rank 0, as a warning that says how to switch it off.
+    notices = [m for m in avg_r[0]["warnings"] if "starts 4x below the given LR" in m]
+    assert len(notices) == 1 and "--hdet-start-scale 1" in notices[0], avg_r[0]["warnings"]
+    assert all(r["warnings"] == [] for r in avg_r[1:])
     # "line" is corrected by the persistence (< 1 before the last window), "average" is not.
     assert [h["line"]["persistence"] for h in avg_r[0]["history"]] == [1.0] * 4
     assert line_r[0]["history"][0]["line"]["persistence"] < 1.0
@@ -99,7 +120,7 @@ def test_probe_signals_ddp_4_ranks():
     _resumed_equal(probe_r, probe_resumed, 6)
     _resumed_equal(line_r, line_resumed, 6)
     _same_training(off, train_off)
-    assert len(off[0]["probed"]) == 4 * 4  # the probes did run
+    assert [r["probed"] for r in off] == [[]] * 4  # auto off: no probe ran
     for results in (nan_avg, nan_line):
         last = results[0]["history"][-1]
         assert last["step"] == 6 or results[0]["history"][1]["step"] == 6
@@ -111,6 +132,17 @@ def test_probe_signals_ddp_4_ranks():
         assert all(r["num_rollbacks"] == 0 for r in results)
         assert len({r["history"][-1]["full_digest"] for r in results}) == 1
         assert all(h["update"]["excluded"] == [] for h in results[0]["history"] if h["step"] != 6)
+    # "probe" on differing batches: the same error on every rank, at the first window's end.
+    for r in own_probe:
+        assert r["error"] is not None and r["error"].startswith("ProbeBatchMismatch"), r["error"]
+        assert "4 distinct among 4 replicas" in r["error"] and r["history"] == []
+    # "average" on one batch everywhere: one warning naming the consequence; the replicas' rows
+    # agree, so the step's standard error is 0 and its confidence 1 (what the warning says).
+    same = [m for m in shared_avg[0]["warnings"] if "every replica probed the same batch" in m]
+    assert len(same) == 1 and "standard error is 0" in same[0]
+    assert all(r["error"] is None for r in shared_avg)
+    for h in shared_avg[0]["history"]:
+        assert h["update"]["step_se"]["lr"] == 0.0 and h["update"]["confidence"]["lr"] == 1.0
 
 
 @pytest.mark.slow
@@ -130,6 +162,8 @@ def test_probe_signals_fsdp2_hsdp(tmp_path):
             ProbeRun(signal="train", fsdp=True, replicas=4, reshard_after_forward=reshard, auto=False),
         ]
     specs.append(ProbeRun(signal="train", fsdp=True, replicas=2, rehome_at=4))
+    # The same with "average": its line search must write into the storage FSDP reads now.
+    specs.append(ProbeRun(signal="average", fsdp=True, replicas=4, rehome_at=4))
     # "probe" on a really sharded (2 arms x 2 shards) mesh: checkpoint at step 6, resume.
     probe = ProbeRun(signal="probe", fsdp=True, replicas=2, save_dir=str(tmp_path / "probe"))
     specs += [replace(probe, save_at=6), replace(probe, resume="previous")]
@@ -151,12 +185,17 @@ def test_probe_signals_fsdp2_hsdp(tmp_path):
             assert ra["digests"] == rb["digests"] and ra["history"] == rb["history"]
             assert ra["probed"] == rb["probed"]
     # Storage replaced mid-window (module._apply): the converge still reaches FSDP's params.
-    rehomed = res[10]
-    for w in range(len(rehomed[0]["history"])):
-        assert len({r["history"][w]["full_digest"] for r in rehomed}) == 1
-    probe_saved, probe_resumed = res[11], res[12]
-    _check_run(probe_saved, specs[11])
-    assert probe_saved[0]["history"][-1]["scales"]["lr"] != 1.0
+    rehomed, rehomed_avg = res[10], res[11]
+    for results in (rehomed, rehomed_avg):
+        for w in range(len(results[0]["history"])):
+            assert len({r["history"][w]["full_digest"] for r in results}) == 1
+    _check_line_means(rehomed_avg, 4)
+    for h in rehomed_avg[0]["history"]:
+        assert len(set(h["line"]["losses"])) == 4  # each point probed where FSDP reads now
+    assert all(r["restored"] == [True] * 4 for r in rehomed_avg)
+    probe_saved, probe_resumed = res[12], res[13]
+    _check_run(probe_saved, specs[12])
+    _moved(probe_saved)
     _resumed_equal(probe_saved, probe_resumed, 6)
     # The saving run decided exactly as the one without a checkpoint.
     assert [r["history"] for r in probe_saved] == [r["history"] for r in by_setting[0][2]]
@@ -184,12 +223,12 @@ def test_line_signals_hsdp_really_sharded_6_ranks(tmp_path):
         _check_line_means(results, 3)
         for h in results[0]["history"]:
             assert len(set(h["line"]["losses"])) == 3  # each point probed its own params
-        assert results[0]["history"][-1]["scales"]["lr"] != 1.0
+        _moved(results)
     # Arms are the mesh's replicate dimension: ranks 2a and 2a + 1 shard arm a's copy.
     assert [r["arm"] for r in avg_r] == [0, 0, 1, 1, 2, 2]
     _resumed_equal(avg_r, resumed, 6)
     _same_training(off, train_off)
-    assert len(off[0]["probed"]) == 4 * 3
+    assert [r["probed"] for r in off] == [[]] * 6  # auto off: no probe ran
 
 
 # ----------------------------------------------------------------------------- single process
@@ -214,27 +253,70 @@ def test_probe_scalar_and_errors():
 
 
 def test_batch_probe_one_batch_per_window():
-    seen = []
-    probe = BatchProbe(lambda b: seen.append(b) or 0.0, lambda w: f"batch{w}")
-    probe.new_window(3)
-    probe(), probe()
-    probe.new_window(4)
-    probe()
-    assert seen == ["batch3", "batch3", "batch4"]
+    fetched = []
+    probe = BatchProbe(lambda b: b, lambda w: fetched.append(w) or f"batch{w}")
+    assert (probe.batch(3), probe.batch(3), probe.batch(4)) == ("batch3", "batch3", "batch4")
+    assert fetched == [3, 4]  # fetched once per window
+    assert probe.loss("x") == "x"
     it = BatchProbe(lambda b: b, iter([10, 20]))
-    it.new_window(0)
-    assert (it(), it()) == (10, 10)
-    it.new_window(1)
-    assert it() == 20
+    assert (it.batch(0), it.batch(0), it.batch(1)) == (10, 10, 20)
+    with pytest.raises(RuntimeError, match="ran out at window 2"):
+        it.batch(2)
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        BatchProbe(None, [1])
+    with pytest.raises(TypeError, match="batches must be"):
+        BatchProbe(lambda b: b, 3)
+
+
+def test_batch_fingerprint_tells_batches_apart():
+    cpu = torch.device("cpu")
+    x = torch.arange(12.0).reshape(3, 4)
+    batch = {"tokens": x, "labels": x.long() + 1}
+    same = {"labels": x.long() + 1, "tokens": x.clone()}  # dict order does not matter
+    assert torch.equal(batch_fingerprint(batch, cpu), batch_fingerprint(same, cpu))
+    # A permutation, one changed entry, a shift between tensors: all different.
+    for other in (
+        {"tokens": x.flip(0), "labels": x.long() + 1},
+        {"tokens": x + (torch.arange(12.0).reshape(3, 4) == 5), "labels": x.long() + 1},
+        {"tokens": x.long() + 1, "labels": x},
+    ):
+        assert not torch.equal(batch_fingerprint(batch, cpu), batch_fingerprint(other, cpu))
+    assert batch_fingerprint(["no tensors", 3], cpu) is None
+    assert batch_fingerprint((x, [x]), cpu).dtype == torch.float64
+
+
+def test_a_bare_callable_is_refused_with_the_recipe():
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [torch.randn(4, 2) for _ in range(3)]
+    draws = iter(batches)
+
+    def fresh_batch_per_call():  # the natural mistake: a new batch at every point of a window
+        return model(next(draws)).pow(2).mean()
+
+    with pytest.raises(TypeError, match="must be a BatchProbe") as err:
+        HDETOneCycleLR(opt, 0.1, total_steps=4, hdet=HDETConfig(), model=model, probe_fn=fresh_batch_per_call)
+    assert "BatchProbe(lambda b:" in str(err.value) and "\n" not in str(err.value)
+    # The documented recipe passes, and gives the probe defaults.
+    sched = HDETOneCycleLR(
+        opt,
+        0.1,
+        total_steps=4,
+        hdet=HDETConfig(),
+        model=model,
+        probe_fn=BatchProbe(lambda b: model(b).pow(2).mean(), lambda w: batches[w % 3]),
+    )
+    assert sched.hdet.signal == "train"  # one process: one arm, no line (needs >= 3 arms)
 
 
 def test_probe_signals_need_probe_fn_and_model():
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="needs probe_fn"):
+    probe = BatchProbe(lambda b: 0.0, [None])
+    with pytest.raises(ValueError, match="needs a probe; probe_fn=BatchProbe"):
         HDETOneCycleLR(opt, 0.1, total_steps=4, hdet=HDETConfig(signal="probe"), model=model)
     with pytest.raises(ValueError, match="needs model="):
-        HDETOneCycleLR(opt, 0.1, total_steps=4, hdet=HDETConfig(signal="probe"), probe_fn=lambda: 0.0)
+        HDETOneCycleLR(opt, 0.1, total_steps=4, hdet=HDETConfig(signal="probe"), probe_fn=probe)
     line = HDETConfig(signal="average", axes=(Axis("lr", 0.3),), rule="newton")
-    with pytest.raises(ValueError, match="needs probe_fn"):
+    with pytest.raises(ValueError, match="needs a probe"):
         HDETOneCycleLR(opt, 0.1, total_steps=4, hdet=line, model=model)

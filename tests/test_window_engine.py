@@ -1,0 +1,75 @@
+"""The window engine (hdet_megatron.window): one window path for every runtime.
+
+The runtime pairs: the same windows through Megatron-Core's ``HDET`` and through
+``HDETOneCycleLR`` give the same ``ControllerUpdate``, line fit and averaged params, bit for bit
+(tests/window_pair_worker.py says how the windows are made the same). And the startup notice.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hdet_megatron.config import HDETConfig
+from hdet_megatron.window import startup_notice
+from tests.harness import run_world
+from tests.window_pair_worker import PairRun, pair_world
+
+
+@pytest.mark.slow
+def test_torch_and_megatron_runtimes_make_the_same_window_updates():
+    runs = [
+        PairRun(signal="average"),
+        PairRun(signal="line"),
+        PairRun(signal="probe"),
+        PairRun(signal="train"),
+        # Every arm non-finite in window 1 with rollback: the same restore and the same cut.
+        PairRun(signal="average", config={"rollback": True}, nan_window=None, all_nan_window=1),
+    ]
+    results = run_world(4, pair_world, runs, timeout=300)
+    for i, run in enumerate(runs):
+        per_rank = [r[i] for r in results]
+        for r in per_rank:
+            assert len(r["megatron"]) == run.windows
+            # The same update and line fit from both runtimes, window by window.
+            assert r["megatron"] == r["torch"], (run.signal, r["megatron"], r["torch"])
+            # The same average: the converged params agree between the runtimes...
+            assert all(m == t for m, t in r["digests"]), r["digests"]
+        # ...and across the replicas (every rank decided alike).
+        assert len({str(r["megatron"]) for r in per_rank}) == 1
+        assert len({tuple(r["digests"]) for r in per_rank}) == 1
+        windows = per_rank[0]["megatron"]
+        updates = [w["update"] for w in windows if w["update"] is not None]
+        if run.all_nan_window is not None:
+            rolled = windows[run.all_nan_window]
+            assert rolled["rolled_back"] and rolled["update"] is None
+            before = windows[run.all_nan_window - 1]["scales"]["lr"]
+            assert rolled["scales"]["lr"] == before * 0.5  # cut by brake_factor
+        if run.nan_window is not None:
+            assert updates[run.nan_window]["excluded"] == [1]
+            assert [u["excluded"] for i, u in enumerate(updates) if i != run.nan_window] == [[]] * 2
+        # Not a vacuous agreement: the controller moved, and the line signals fitted lines.
+        assert any(u["moved"] and u["deltas"]["lr"] != 0.0 for u in updates), updates
+        lines = [w["line"] for w in windows if not w["rolled_back"]]
+        assert all(line is not None for line in lines) == (run.signal in ("line", "average"))
+
+
+def test_the_startup_notice_says_the_slow_start_and_how_to_switch_it_off():
+    slow = HDETConfig(period=10).resolve(probe_available=True, num_arms=4)
+    line, warn = startup_notice(slow.config, slow.note)
+    assert warn and "starts 4x below the given LR (start_scale 0.25)" in line
+    assert "--hdet-start-scale 1" in line and "--no-hdet-auto" in line and "\n" not in line
+    assert line.startswith("HDET auto-LR defaults: signal 'average'")
+    # A config the caller resolved itself (no note): the settings are still named.
+    line, warn = startup_notice(slow.config)
+    assert warn and line.startswith("HDET auto-LR: signal 'average', rule 'newton', lr spread 0.3")
+    # At the given LR: information, not a warning; auto off with a probe: the probe is idle.
+    at_lr = HDETConfig(period=10, start_scale=1.0).resolve(True, 4)
+    line, warn = startup_notice(at_lr.config, at_lr.note)
+    assert not warn and "starts" not in line
+    off = HDETConfig(period=10, auto=False).resolve(True, 4).config
+    assert startup_notice(off) == ("HDET auto-LR is off: the probe is not run (nothing would read it)", False)
+    assert startup_notice(off, probe_given=False) == ("", False)
+    # Auto-LR without a probe: the paper's train signal, said as a warning.
+    bare = HDETConfig(period=10).resolve(False, 4)
+    line, warn = startup_notice(bare.config, bare.note, probe_given=False)
+    assert warn and "no probe_fn was given" in line
