@@ -51,17 +51,17 @@ class _Runtime(WindowAdapter):
         self.config = config
         self._init_topology(process_group)
         probe = as_probe(probe_fn)
-        # "auto"/None fields: the measured defaults for this run (a probe needs the model too).
-        resolution = config.resolve(probe is not None and model is not None, self.num_arms)
+        if probe is not None and model is None:
+            # Not silently ignored (it would resolve the defaults to the train signal).
+            raise ValueError(
+                "probe_fn needs model=...: the probe runs with the model switched to eval() (and "
+                "back), and the line search writes its points into the model's params"
+            )
+        # "auto"/None fields: the measured defaults for this run.
+        resolution = config.resolve(probe is not None, self.num_arms)
         config = resolution.config
-        if config.signal in PROBE_SIGNALS:
-            if probe is None:
-                raise ValueError(f"HDETConfig.signal={config.signal!r} needs a probe; {PROBE_RECIPE}")
-            if model is None:
-                raise ValueError(
-                    f"HDETConfig.signal={config.signal!r} needs model=...: the probe runs with the "
-                    "model switched to eval() (and back), and the line search writes into its params"
-                )
+        if config.signal in PROBE_SIGNALS and probe is None:
+            raise ValueError(f"HDETConfig.signal={config.signal!r} needs a probe; {PROBE_RECIPE}")
         self.probe_fn = probe
         self.model = model
         self.optimizer = optimizer

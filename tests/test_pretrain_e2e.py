@@ -194,7 +194,8 @@ def test_world_not_divisible_under_torchrun(tmp_path):
 def test_probe_signal_compares_arms_on_one_shared_batch(tmp_path):
     # --hdet-signal probe with identical arms (spread 0, no dropout, global grad sync): every arm
     # is probed on the same unseen batch, so the probe losses are bit-identical across arms while
-    # the arms' window training losses (different data shards) are not.
+    # the arms' window training losses (different data shards) are not. Auto-LR stays on (the
+    # probe runs only when the controller reads it); equal losses move nothing.
     run = tmp_path / "probe"
     r = torchrun(
         [
@@ -231,7 +232,6 @@ def test_probe_signal_compares_arms_on_one_shared_batch(tmp_path):
             "3",
             "--hdet-spread",
             "0",
-            "--no-hdet-auto",
             "--hdet-signal",
             "probe",
             "--run-dir",
@@ -248,6 +248,7 @@ def test_probe_signal_compares_arms_on_one_shared_batch(tmp_path):
         assert w["signal"] == "probe"
         assert len(set(w["arm_losses"])) == 1, w["arm_losses"]
         assert len(set(w["arm_train_losses"])) == 2, w["arm_train_losses"]
+        assert w["scales"]["lr"] == 1.0
 
 
 def test_mixture_of_experts_with_expert_parallelism(tmp_path):

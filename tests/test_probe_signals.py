@@ -315,8 +315,10 @@ def test_probe_signals_need_probe_fn_and_model():
     probe = BatchProbe(lambda b: 0.0, [None])
     with pytest.raises(ValueError, match="needs a probe; probe_fn=BatchProbe"):
         HDETOneCycleLR(opt, 0.1, total_steps=4, hdet=HDETConfig(signal="probe"), model=model)
-    with pytest.raises(ValueError, match="needs model="):
-        HDETOneCycleLR(opt, 0.1, total_steps=4, hdet=HDETConfig(signal="probe"), probe_fn=probe)
+    # A probe without the model is refused, not ignored (it would resolve to the train signal).
+    for config in (HDETConfig(signal="probe"), HDETConfig()):
+        with pytest.raises(ValueError, match="probe_fn needs model="):
+            HDETOneCycleLR(opt, 0.1, total_steps=4, hdet=config, probe_fn=probe)
     line = HDETConfig(signal="average", axes=(Axis("lr", 0.3),), rule="newton")
     with pytest.raises(ValueError, match="needs a probe"):
         HDETOneCycleLR(opt, 0.1, total_steps=4, hdet=line, model=model)
