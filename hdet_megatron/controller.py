@@ -41,7 +41,8 @@ Three guards make auto-LR safe to leave on (docs/auto-lr.md):
   ``brake_spike`` of the median, or the upper half of the arms (by LR) rising ``brake_rise`` more
   than the lower half since the last window, each beyond :data:`BRAKE_Z` times the noise, cut
   every multiplicative LR scale by ``brake_factor``, zero its velocity and forbid a rise for
-  ``brake_hold`` windows.
+  ``brake_hold`` windows. A braked window does not enter the brake's noise and history (its own
+  spike must not desensitize the brake).
 * **Noise-aware steps** (line signals, ``noise_aware``): the step's jackknife standard error ``se``
   over the replicas' own line losses shrinks it by ``d^2 / (d^2 + se^2)``.
 """
@@ -530,7 +531,7 @@ class AutoController:
         if move:
             self.num_updates += 1
             self.hold = cfg.brake_hold if brake is not None else max(self.hold - 1, 0)
-        self._track_losses(train, spreads, stats)
+        self._track_losses(train, spreads, stats, braked=brake is not None)
         update.hold = self.hold
         return update
 
@@ -541,10 +542,19 @@ class AutoController:
         return HISTORY_Z * math.sqrt(mean_square) if count >= HISTORY_MIN else 0.0
 
     def _track_losses(
-        self, train: Sequence[float], spreads: Mapping[str, Sequence[float]], stats: Mapping[str, float]
+        self,
+        train: Sequence[float],
+        spreads: Mapping[str, Sequence[float]],
+        stats: Mapping[str, float],
+        braked: bool = False,
     ) -> None:
         """Remember this window's mean training loss and fold its spread into the noise level
-        (an EWMA over windows) for the brake's tests of the next window."""
+        (an EWMA over windows) for the brake's tests of the next window. A window the brake cut
+        is left out: its spike would raise the bars it is judged by (the same spike two windows
+        later would no longer brake), and the windows after it are compared with the last
+        healthy one."""
+        if braked:
+            return
         for name, value in stats.items():
             count, mean_square = self.history.get(name, (0, 0.0))
             weight = max(1.0 / (count + 1), HISTORY_EWMA)

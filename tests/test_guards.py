@@ -115,6 +115,20 @@ def test_brake_fires_on_a_spike_cuts_and_holds():
     assert ups[8].scales["lr"] > ups[7].scales["lr"]
 
 
+def test_a_braked_spike_does_not_desensitize_the_brake():
+    """The same spike after the hold brakes again: a braked window's spike stays out of the RMS
+    history and the noise level that the next windows are judged by."""
+    ctl = average()
+    spike = calm(5)
+    spike[3] *= 1.5
+    again = calm(8)
+    again[3] *= 1.5
+    windows = [calm(k) for k in range(5)] + [spike, calm(6), calm(7), again]
+    ups = run_windows(ctl, windows, [[(r - 3.0) ** 2 for r in RHO]] * 9)
+    assert [u.brake is not None for u in ups] == [False] * 5 + [True, False, False, True]
+    assert ups[8].scales["lr"] == pytest.approx(ups[7].scales["lr"] * 0.5)
+
+
 def test_brake_fires_on_non_finite_arms_a_blow_up_and_a_rise_of_the_high_arms():
     ctl = average()
     run_windows(ctl, [calm(k) for k in range(4)])
