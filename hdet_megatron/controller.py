@@ -86,7 +86,10 @@ NEWTON_MAX_STEP = 2.0
 #:   land past the 2x bound still differ by what they imply (se 0 / confidence 1 only because every
 #:   fit was clipped is the collapse this removes).
 PROTOTYPES: set[str] = set()
-KNOWN_PROTOTYPES = frozenset({"average_lag", "jackknife_unclipped"})
+#: * ``"measured_lag"``: as ``"average_lag"`` with the window's measured ratio ``LineFit.lag``
+#:   (``<mean_t D_t, D_T> / <D_T, D_T>`` from the runtime's line search: smaller than the steady
+#:   drift's while the LR warms up), the steady-drift ``r`` where none was measured.
+KNOWN_PROTOTYPES = frozenset({"average_lag", "jackknife_unclipped", "measured_lag"})
 
 #: ``jackknife_unclipped``: the bound of the steps the jackknife compares (a factor), wide enough
 #: that fits past :data:`NEWTON_MAX_STEP` still differ, narrow enough that a near-flat fit's
@@ -447,7 +450,10 @@ class AutoController:
             raise ValueError(
                 f"unknown controller prototypes {sorted(unknown)}; known: {sorted(KNOWN_PROTOTYPES)}"
             )
-        lag = average_lag(cfg.period) if "average_lag" in PROTOTYPES and cfg.signal == "average" else 1.0
+        lag = 1.0
+        if cfg.signal == "average" and PROTOTYPES & {"average_lag", "measured_lag"}:
+            measured = line.lag if line is not None and "measured_lag" in PROTOTYPES else None
+            lag = measured if measured is not None and measured > 0 else average_lag(cfg.period)
         unclipped = "jackknife_unclipped" in PROTOTYPES
         deltas: dict[str, float] = {}
         raw_deltas: dict[str, float] = {}

@@ -199,7 +199,7 @@ class _Runtime(WindowAdapter):
         return probe_scalar(raw, self.device, self.acc_dtype)
 
     def reduce(
-        self, *, train_sum, train_count, probe, points, num_points, finite, fingerprint
+        self, *, train_sum, train_count, probe, points, num_points, finite, fingerprint, lag_terms
     ) -> WindowLosses:
         """The window's one small all-reduce over ``group`` (one host sync): every rank is a loss
         reporter (:func:`hdet_megatron.window_losses.reduce_window`)."""
@@ -219,6 +219,7 @@ class _Runtime(WindowAdapter):
             num_points=num_points,
             finite=finite,
             fingerprint=fingerprint,
+            lag_terms=lag_terms,
         )
         return self.last_losses
 

@@ -32,7 +32,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -186,6 +186,7 @@ class WindowAdapter:
         num_points: int,
         finite: torch.Tensor,
         fingerprint: torch.Tensor | None,
+        lag_terms: torch.Tensor | None,
     ) -> WindowLosses:
         """The window's one reduction over the runtime's loss group
         (:func:`~hdet_megatron.window_losses.reduce_window`)."""
@@ -407,6 +408,8 @@ class WindowEngine:
             num_points=len(points) if points is not None else 0,
             finite=params_finite(adapter.tensors()),
             fingerprint=fingerprint,
+            # Every rank's terms (its part of the model), with the line's points.
+            lag_terms=self.line_search.lag_terms() if points is not None and self.line_search else None,
         )  # the window's one host sync
         batch_check = self._check_batches(reduced, window)
         train = [math.inf if bad else x for x, bad in zip(reduced.train, reduced.bad, strict=True)]
@@ -417,6 +420,7 @@ class WindowEngine:
             # by the part of today's noise floor that survives to the end of the schedule.
             kappa = persistence(*adapter.horizon_lrs(step)) if cfg.signal == "line" else 1.0
             line = fit_line(points, reduced.point_losses, arm_values["lr"], kappa, reduced.replica_losses)
+            line = replace(line, lag=reduced.lag)
             signal = list(line.pseudo_losses)
         elif self.probing and steps and cfg.signal in LINE_SIGNALS:
             # No line this window (a mid-window resume): equal losses, so nothing moves.

@@ -79,3 +79,15 @@ def test_clipped_fits_no_longer_give_full_confidence(prototypes):
     agree = _line([3.0] * 4)
     up = _controller().update(agree.pseudo_losses, {"lr": RHO}, step=10, line=agree)
     assert up.confidence["lr"] == 1.0
+
+
+def test_measured_lag_uses_the_lines_own_ratio(prototypes):
+    from dataclasses import replace
+
+    line = replace(_line([1.6] * 4), lag=0.35)  # measured in a warm-up: below steady drift's
+    prototypes.add("measured_lag")
+    up = _controller().update(line.pseudo_losses, {"lr": RHO}, step=10, line=line)
+    assert up.raw_deltas["lr"] == pytest.approx(math.log(1.6 * 0.35))
+    # No measurement: the steady-drift ratio, as average_lag.
+    unmeasured = _controller().update(line.pseudo_losses, {"lr": RHO}, step=10, line=replace(line, lag=None))
+    assert unmeasured.raw_deltas["lr"] == pytest.approx(math.log(1.6 * 0.55))

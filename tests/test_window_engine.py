@@ -51,6 +51,11 @@ def test_torch_and_megatron_runtimes_make_the_same_window_updates():
         assert any(u["moved"] and u["deltas"]["lr"] != 0.0 for u in updates), updates
         lines = [w["line"] for w in windows if not w["rolled_back"]]
         assert all(line is not None for line in lines) == (run.signal in ("line", "average"))
+        # The averaged iterate's measured lag: the steady drift theta_t = theta0 - rho (t/T) D puts
+        # it at (T + 1) / (2 T) of the end (a diverged arm's terms left out); "line" measures none.
+        for line in (line for line in lines if line is not None):
+            want = (run.period + 1) / (2 * run.period) if run.signal == "average" else None
+            assert line["lag"] == pytest.approx(want, rel=1e-6) if want else line["lag"] is None
 
 
 def test_the_startup_notice_says_the_slow_start_and_how_to_switch_it_off():

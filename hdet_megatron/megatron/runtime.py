@@ -523,7 +523,7 @@ class HDET(WindowAdapter):
         return self._step_loss(raw)
 
     def reduce(
-        self, *, train_sum, train_count, probe, points, num_points, finite, fingerprint
+        self, *, train_sum, train_count, probe, points, num_points, finite, fingerprint, lag_terms
     ) -> WindowLosses:
         """The window's one small all-reduce over the world (so every TP/PP rank computes the
         same controller update): each loss reporter's (one per DP replica) training-loss sum and
@@ -545,6 +545,7 @@ class HDET(WindowAdapter):
             num_points=num_points,
             finite=finite,
             fingerprint=fingerprint if reporter else None,
+            lag_terms=lag_terms,
         )
 
     def horizon_lrs(self, step: int) -> tuple[float, float]:
