@@ -194,7 +194,7 @@ def test_cli_options_and_errors(capsys):
     assert "non-finite" in capsys.readouterr().err
     assert main(["simulate", "--base-lr", "3.0", "--steps", "1000"]) == 0
     out = capsys.readouterr().out
-    assert "brake: " in out and "final lr=0.713 (2.746x optimum)" in out
+    assert "brake: " in out and "final lr=0.3647 (1.405x optimum)" in out
     with pytest.raises(SystemExit):
         main(["simulate", "--sigma", "hot"])
     assert main(["report", "runs/does-not-exist"]) == 2  # implemented in hdet_megatron/report.py
