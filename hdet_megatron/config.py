@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 #: Signals that evaluate the window's update line (every replica, its own unseen batch).
@@ -114,7 +114,7 @@ class Axis:
 
 #: Fields that change how, not what, HDET computes: left out of ``fingerprint()`` (checkpoints,
 #: run logs), so checkpoints stay what they were and a resume never reports them as changed.
-_NOT_FINGERPRINTED = ("home_main_params",)
+_NOT_FINGERPRINTED = ("home_main_params", "resolution_note")
 
 
 @dataclass(frozen=True)
@@ -212,6 +212,9 @@ class HDETConfig:
     """With a line signal: shrink each step by its confidence ``d^2 / (d^2 + se^2)``, where
     ``se`` is the jackknife standard error of the step over the replicas' own line losses, so a
     weak signal (small batch) leaves the scale where it is instead of overshooting."""
+    resolution_note: str = field(default="", compare=False, repr=False)
+    """Set by :meth:`resolve`: which defaults it chose and why (the run logs it once at start).
+    Not a setting: not compared, not checkpointed."""
 
     def __post_init__(self) -> None:
         # Accept lists for axes/scale_bounds (from argparse or JSON) but store tuples.
@@ -394,7 +397,10 @@ class HDETConfig:
                 if start != 1
                 else "start at the given LR (no slow start without a line signal)"
             )
-        return Resolution(config, "HDET auto-LR defaults: " + "; ".join(chosen) if chosen else "")
+        note = "HDET auto-LR defaults: " + "; ".join(chosen) if chosen else ""
+        # The resolved config carries its note, so whoever builds the runtime from it (the
+        # example resolves before it builds the scheduler) logs it.
+        return Resolution(replace(config, resolution_note=note), note)
 
     def replace(self, **changes: Any) -> HDETConfig:
         return replace(self, **changes)

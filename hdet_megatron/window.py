@@ -88,10 +88,13 @@ def startup_notice(config: HDETConfig, note: str = "", probe_given: bool = True)
     start = config.start_scale if config.start_scale is not None else 1.0
     slow = start < 1
     if slow:
+        said = "slow start at" in note  # the note named the start already
         parts.append(
-            f"the LR starts {1 / start:g}x below the given LR (start_scale {start:g}) and climbs "
-            "only on evidence: start_scale=1 (--hdet-start-scale 1) starts at the given LR, "
-            "auto=False (--no-hdet-auto) switches auto-LR off"
+            ("that is " if said else "the LR starts ")
+            + f"{1 / start:g}x below the given LR"
+            + ("" if said else f" (start_scale {start:g})")
+            + ", climbing only on evidence: start_scale=1 (--hdet-start-scale 1) starts at the given "
+            "LR, auto=False (--no-hdet-auto) switches auto-LR off"
         )
     no_probe = config.signal not in PROBE_SIGNALS and not probe_given
     return "; ".join(parts), slow or no_probe
@@ -296,7 +299,7 @@ class WindowEngine:
         self.last_update: ControllerUpdate | None = None
         self.last_line: LineFit | None = None
         self._warned_same_batch = False
-        line, warn = startup_notice(config, note, probe is not None)
+        line, warn = startup_notice(config, note or config.resolution_note, probe is not None)
         if line and is_log_rank():
             (logger.warning if warn else logger.info)("%s", line)
 

@@ -242,6 +242,8 @@ def test_probe_signal_compares_arms_on_one_shared_batch(tmp_path):
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "converge w0 @ iter 3: arm0 lr" in r.stdout and "probe" in r.stdout
+    # HDET's startup notice (what the "auto" fields resolved to, and why), once, in the output.
+    assert r.stdout.count("[pretrain_gpt] HDET auto-LR defaults: rule 'relative'; start at the given LR") == 1
     windows = [w for w in read_metrics(str(run)) if w["type"] == "window"]
     assert [w["iteration"] for w in windows] == [3, 6]
     for w in windows:

@@ -109,7 +109,7 @@ def test_probe_signals_ddp_4_ranks():
     for results in (avg_r, probe_r, line_r):
         _moved(results)
     # The slow start is announced once, on rank 0, as a warning that says how to switch it off.
-    notices = [m for m in avg_r[0]["warnings"] if "starts 4x below the given LR" in m]
+    notices = [m for m in avg_r[0]["warnings"] if "4x below the given LR" in m]
     assert len(notices) == 1 and "--hdet-start-scale 1" in notices[0], avg_r[0]["warnings"]
     assert all(r["warnings"] == [] for r in avg_r[1:])
     # "line" is corrected by the persistence (< 1 before the last window), "average" is not.

@@ -61,12 +61,13 @@ def test_torch_and_megatron_runtimes_make_the_same_window_updates():
 def test_the_startup_notice_says_the_slow_start_and_how_to_switch_it_off():
     slow = HDETConfig(period=10).resolve(probe_available=True, num_arms=4)
     line, warn = startup_notice(slow.config, slow.note)
-    assert warn and "starts 4x below the given LR (start_scale 0.25)" in line
+    assert warn and "slow start at 0.25x the given LR; that is 4x below the given LR, climbing" in line
     assert "--hdet-start-scale 1" in line and "--no-hdet-auto" in line and "\n" not in line
     assert line.startswith("HDET auto-LR defaults: signal 'average'")
     # A config the caller resolved itself (no note): the settings are still named.
     line, warn = startup_notice(slow.config)
     assert warn and line.startswith("HDET auto-LR: signal 'average', rule 'newton', lr spread 0.3")
+    assert "the LR starts 4x below the given LR (start_scale 0.25), climbing" in line
     # At the given LR: information, not a warning; auto off with a probe: the probe is idle.
     at_lr = HDETConfig(period=10, start_scale=1.0).resolve(True, 4)
     line, warn = startup_notice(at_lr.config, at_lr.note)
