@@ -382,10 +382,24 @@ def best_sweep(rows: list[dict], task: str, seed: int) -> dict | None:
     return min(sweep, key=lambda r: r["valid_loss"]) if sweep else None
 
 
+def median_scale(row: dict) -> float:
+    """The median over a run's windows of the LR scale after each update (1 without windows):
+    where the controller kept the LR (the last window's scale is moot: nothing trains after it)."""
+    if "median_scale" in row:
+        return float(row["median_scale"])
+    run_dir = row.get("run_dir")
+    windows = read_windows(os.path.join(ROOT, run_dir)) if run_dir else []
+    scales = sorted(float((w.get("scales") or {}).get("lr", 1.0)) for w in windows)
+    if not scales:
+        return 1.0
+    mid = len(scales) // 2
+    return scales[mid] if len(scales) % 2 else (scales[mid - 1] + scales[mid]) / 2
+
+
 def markdown_tables(rows: list[dict]) -> str:
     """Per task: every row's validation loss and gap to the same seed's best sweep point (mean
-    over seeds with min..max), the plain sweep point at the same LR where there is one, the final
-    LR scale and the wall time per run."""
+    over seeds with min..max), the plain sweep point at the same LR where there is one, the LR
+    the run trained at (guess x the controller's median scale) and the wall time per run."""
     out = []
     order = {"sweep": 0, "def": 1, "proto": 2, "off": 3, "sf": 4, "prodigy": 5}
     for task in TASKS.values():
@@ -398,20 +412,25 @@ def markdown_tables(rows: list[dict]) -> str:
         out.append(
             "best sweep point per seed: "
             + ", ".join(
-                f"seed {s}: {b['lr']:.3g} ({b['valid_loss']:.4f})" for s, b in bests.items() if b is not None
+                f"seed {s}: LR {b['lr']:.3g}, valid loss {b['valid_loss']:.4f}"
+                for s, b in bests.items()
+                if b is not None
             )
             + "\n"
         )
         out.append(
             "| row | seeds | LR / best | valid loss (mean, min..max) | vs best sweep point (mean, "
-            "min..max) | plain at that LR | final scale | wall s per run |"
+            "min..max) | plain at that LR | LR / best, median over windows | wall s per run |"
         )
         out.append("|---|---:|---:|---:|---:|---:|---:|---:|")
         groups: dict[str, list[dict]] = {}
         for r in trows:
-            if bests.get(r["seed"]) is None:
+            best = bests.get(r["seed"])
+            if best is None:
                 continue
-            groups.setdefault(r["row"], []).append(r)
+            # Sweep rows by their LR relative to the seed's best, the others by their name.
+            name = f"sweep x{r['lr'] / best['lr']:g}" if r["group"] == "sweep" else r["row"]
+            groups.setdefault(name, []).append(r)
 
         def key(name: str, groups: dict = groups, bests: dict = bests) -> tuple[int, float]:
             rs = groups[name]
@@ -432,13 +451,15 @@ def markdown_tables(rows: list[dict]) -> str:
                 if same and r["group"] != "sweep":
                     plain.append(100 * (same[0]["valid_loss"] / bests[r["seed"]]["valid_loss"] - 1))
             walls = [r["wall_seconds"] for r in rs if r.get("wall_seconds")]
-            label = f"**{name}**" if name.startswith("sweep") and max(rel) == 0 else name
+            trained = [r["lr"] * median_scale(r) / bests[r["seed"]]["lr"] for r in rs]
+            peer = rs[0]["group"] == "prodigy"
+            label = f"**{name}**" if rs[0]["group"] == "sweep" and max(rel) == 0 else name
             out.append(
-                f"| {label} | {len(rs)} | {'-' if rs[0]['group'] == 'prodigy' else f'{factor:g}'} | "
+                f"| {label} | {len(rs)} | {'-' if peer else f'{factor:g}'} | "
                 f"{_mean(loss):.4f} ({min(loss):.4f}..{max(loss):.4f}) | "
                 f"{_mean(rel):+.2f}% ({min(rel):+.2f}..{max(rel):+.2f}) | "
                 f"{f'{_mean(plain):+.2f}%' if plain else ''} | "
-                f"{_mean([r['final_scale'] for r in rs]):.3g} | "
+                f"{'-' if peer else f'{_mean(trained):.3g}'} | "
                 f"{f'{_mean(walls):.0f}' if walls else ''} |"
             )
         out.append("")

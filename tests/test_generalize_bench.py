@@ -106,12 +106,17 @@ def test_table_formatting_against_the_best_sweep_point():
     ]
     table = g.markdown_tables(rows)
     assert "#### onecycle-ddp (tuning)" in table
-    assert "| **sweep-x1** | 1 | 1 | 2.0000 (2.0000..2.0000) | +0.00% (+0.00..+0.00) |" in table
+    assert "| **sweep x1** | 1 | 1 | 2.0000 (2.0000..2.0000) | +0.00% (+0.00..+0.00) |" in table
     # def at the x0.5 LR: +1% against the best point, plain at that LR +10%.
     assert "| def-x0.5 | 1 | 0.5 | 2.0200 (2.0200..2.0200) | +1.00% (+1.00..+1.00) | +10.00% |" in table
     assert "| prodigy | 1 | - | 2.4000" in table
     lines = [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| ")]
-    assert lines[1:] == ["| sweep-x0.5", "| **sweep-x1**", "| sweep-x2", "| def-x0.5", "| prodigy"]
+    assert lines[1:] == ["| sweep x0.5", "| **sweep x1**", "| sweep x2", "| def-x0.5", "| prodigy"]
+    # The LR a run trained at: the guess times the controller's median scale over its windows.
+    rows[3]["median_scale"] = 3.0
+    assert "| def-x0.5 | 1 | 0.5 | 2.0200 (2.0200..2.0200) | +1.00% (+1.00..+1.00) | +10.00% | 1.5 |" in (
+        g.markdown_tables(rows)
+    )
 
 
 def test_prototype_rows_switch_the_prototypes_on_in_the_launchers():
