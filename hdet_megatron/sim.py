@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -555,6 +555,10 @@ def simulate_budget(
             rows = exact[None, :] + problem.probe_noise * side_rng.standard_normal((replicas, len(points)))
             kappa = persistence(base[t - 1], base[-1]) if config.signal == "line" else 1.0
             line = fit_line(points, rows.mean(axis=0).tolist(), rho.tolist(), kappa, rows.tolist())
+            if config.signal == "average":  # what the runtime measures (LineSearch.lag_terms)
+                norm = float(update @ update)
+                lag = float((update_sum / length) @ update) / norm if norm > 0 else None
+                line = replace(line, lag=lag)
             losses = np.asarray(line.pseudo_losses)
         updates.append(
             controller.update(
