@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -55,6 +56,7 @@ __all__ = [
     "WindowAdapter",
     "WindowEnd",
     "WindowEngine",
+    "show_notices",
     "startup_notice",
 ]
 
@@ -102,6 +104,25 @@ def startup_notice(config: HDETConfig, note: str = "", probe_given: bool = True)
 
 def is_log_rank() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+class _NoticeHandler(logging.StreamHandler):
+    """The handler :func:`show_notices` installs (found again by its type)."""
+
+
+def show_notices(prefix: str) -> None:
+    """Print the window engine's run-level notices (the auto-LR settings it resolved and why,
+    the slow start, probe-batch warnings) on stdout as ``prefix message``, like the program's own
+    progress lines; they are logged on rank 0 only. For programs that configure no logging (the
+    example, Megatron-LM's loop); calling it again replaces the prefix."""
+    log = logging.getLogger(__name__)
+    for old in [h for h in log.handlers if isinstance(h, _NoticeHandler)]:
+        log.removeHandler(old)
+    handler = _NoticeHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"{prefix} %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False  # once, even where the root logger has a handler too
 
 
 @dataclass

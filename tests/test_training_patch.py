@@ -604,6 +604,8 @@ def test_patched_loop_average_signal_dp4(overlay, tmp_path):
         records=tmp_path / "rec",
     )
     assert "[HDET] on: 4 arms over DP 4" in out and "signal average" in out
+    # HDET's startup notice (what "auto" resolved to), once, among the hook's own lines.
+    assert out.count("[HDET] HDET auto-LR defaults: rule 'newton'") == 1, out[:3000]
     conv = hdet_converges(out)
     assert [(c["window"], c["iteration"], c["forced"]) for c in conv] == [
         (0, 2, False),

@@ -79,3 +79,21 @@ def test_the_startup_notice_says_the_slow_start_and_how_to_switch_it_off():
     bare = HDETConfig(period=10).resolve(False, 4)
     line, warn = startup_notice(bare.config, bare.note, probe_given=False)
     assert warn and "no probe_fn was given" in line
+
+
+def test_show_notices_prints_them_as_the_programs_own_lines(capsys):
+    import logging
+
+    from hdet_megatron import window
+
+    log = logging.getLogger(window.__name__)
+    saved = (list(log.handlers), log.level, log.propagate)
+    try:
+        window.show_notices("[one]")
+        window.show_notices("[pretrain_gpt]")  # again: replaces, does not add
+        log.info("HDET auto-LR defaults: rule 'relative'")
+        assert capsys.readouterr().out == "[pretrain_gpt] HDET auto-LR defaults: rule 'relative'\n"
+    finally:
+        log.handlers[:] = saved[0]
+        log.setLevel(saved[1])
+        log.propagate = saved[2]

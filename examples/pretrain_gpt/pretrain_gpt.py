@@ -28,7 +28,6 @@ iterators), ``gpt_trainer.py`` (model, optimizer, HDET, one step, evaluation, ch
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 import sys
 
@@ -107,17 +106,6 @@ def _let_rank0_report_first() -> None:
     time.sleep(RANK0_REPORT_WAIT_S)
 
 
-def _show_hdet_notices() -> None:
-    """HDET's run-level notices (the auto-LR settings it resolved and why, the slow start, probe
-    warnings) in this script's own output; HDET logs them on rank 0 only."""
-    log = logging.getLogger("hdet_megatron.window")
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("[pretrain_gpt] %(message)s"))  # as the progress lines
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False  # once, even where the root logger has a handler
-
-
 def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
 
@@ -140,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     from hdet_megatron.megatron.checkpointing import HDETCheckpointError
     from hdet_megatron.megatron.data import DataError
     from hdet_megatron.megatron.layout import HDETSetupError
+    from hdet_megatron.window import show_notices
 
-    _show_hdet_notices()
+    show_notices("[pretrain_gpt]")  # HDET's startup notice as one of this script's progress lines
     liveness = start_liveness(args.node_timeout, prog=PROG)
     try:
         return train(args, hdet_config, liveness)

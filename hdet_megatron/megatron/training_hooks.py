@@ -123,6 +123,9 @@ def on_pretrain_start() -> None:
     make the wheel's dataset-helper build step work (see :func:`use_prebuilt_dataset_helpers`)."""
     reset()
     use_prebuilt_dataset_helpers()
+    from hdet_megatron.window import show_notices
+
+    show_notices(LOG_PREFIX)  # HDET's startup notice beside the hook's own lines
     try:
         args = _args()
     except AssertionError:  # args are parsed inside initialize_megatron by older entry points
