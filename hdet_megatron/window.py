@@ -33,7 +33,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -160,9 +160,6 @@ class WindowEnd:
     """A converge requested before the window's end (a save, the run's end)."""
     rolled_back: bool = False
     """Every arm diverged and the last converged params were restored."""
-    batch_check: str = field(default="")
-    """What the probe-batch check found: ``""`` (nothing probed), ``"ok"``, ``"same"`` (the line
-    signals on one batch everywhere)."""
 
 
 class WindowAdapter:
@@ -378,11 +375,11 @@ class WindowEngine:
             fingerprint = self.probe.fingerprint(batch, self.adapter.device)
         return probe, points, losses, fingerprint
 
-    def _check_batches(self, reduced: WindowLosses, window: int) -> str:
+    def _check_batches(self, reduced: WindowLosses, window: int) -> None:
         """The probe-batch check (the same verdict on every rank: every rank has every row)."""
         prints = reduced.fingerprints
         if len(prints) < 2:
-            return "ok" if prints else ""
+            return
         same = all(p == prints[0] for p in prints)
         if self.config.signal == "probe":
             if not same:
@@ -392,8 +389,7 @@ class WindowEngine:
                     "BatchProbe must return the same batch for a window (e.g. built from a fixed "
                     "seed), or use signal='average' with each replica's own batch"
                 )
-            return "ok"
-        if same:
+        elif same:
             if not self._warned_same_batch and is_log_rank():
                 logger.warning(
                     "HDET window %d: every replica probed the same batch; with signal=%r each "
@@ -404,8 +400,6 @@ class WindowEngine:
                     self.config.signal,
                 )
             self._warned_same_batch = True
-            return "same"
-        return "ok"
 
     def end_window(
         self, window: int, step: int, arm_values: dict[str, list[float]], *, forced: bool = False
@@ -435,7 +429,7 @@ class WindowEngine:
             # Every rank's terms (its part of the model), with the line's points.
             lag_terms=self.line_search.lag_terms() if points is not None and self.line_search else None,
         )  # the window's one host sync
-        batch_check = self._check_batches(reduced, window)
+        self._check_batches(reduced, window)
         train = [math.inf if bad else x for x, bad in zip(reduced.train, reduced.bad, strict=True)]
         line: LineFit | None = None
         signal: list[float] | None = None
@@ -514,7 +508,6 @@ class WindowEngine:
             probe_seconds=probe_seconds,
             converge_seconds=time.perf_counter() - start,
             forced=forced,
-            batch_check=batch_check,
         )
         self.num_converges += 1
         if update is not None:
