@@ -58,6 +58,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "lag": ("average_lag",),
     "jk": ("jackknife_unclipped",),
     "lagjk": ("average_lag", "jackknife_unclipped"),
+    "mlag": ("measured_lag",),
 }
 #: How far a sweep may extend past its first five points looking for a bracketed best.
 MAX_EXTENSIONS = 3
@@ -343,6 +344,7 @@ def controller_trace(run_dir: str) -> list[dict]:
                 "g_corrected": line["corrected_slope"] if line else math.nan,
                 "q": line["curvature"] if line else math.nan,
                 "kappa": line["persistence"] if line else math.nan,
+                "lag": (line.get("lag") if line else None) or math.nan,  # measured by the engine
                 "branch": newton_branch(line) if line else "",
                 "raw_step": lr(update.get("raw_deltas")),
                 "step_se": lr(update.get("step_se")),
