@@ -59,6 +59,8 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "jk": ("jackknife_unclipped",),
     "lagjk": ("average_lag", "jackknife_unclipped"),
     "mlag": ("measured_lag",),
+    "holdwu": ("hold_warmup",),
+    "holdwu0": ("hold_warmup", "no_momentum"),
 }
 #: How far a sweep may extend past its first five points looking for a bracketed best.
 MAX_EXTENSIONS = 3

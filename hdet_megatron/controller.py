@@ -89,7 +89,15 @@ PROTOTYPES: set[str] = set()
 #: * ``"measured_lag"``: as ``"average_lag"`` with the window's measured ratio ``LineFit.lag``
 #:   (``<mean_t D_t, D_T> / <D_T, D_T>`` from the runtime's line search: smaller than the steady
 #:   drift's while the LR warms up), the steady-drift ``r`` where none was measured.
-KNOWN_PROTOTYPES = frozenset({"average_lag", "jackknife_unclipped", "measured_lag"})
+#: * ``"hold_warmup"``: the LR scales may not rise while the base schedule's LR rises (its
+#:   warm-up): the line's evidence there is about LRs the schedule keeps low on purpose, and a
+#:   rise compounds with the warm-up's own (``base_values`` of consecutive updates; none before
+#:   the second update of a process).
+#: * ``"no_momentum"``: the LR steps without momentum (``momentum`` read as 0): a climb stops
+#:   where the line's step crosses zero instead of carrying past it.
+KNOWN_PROTOTYPES = frozenset(
+    {"average_lag", "jackknife_unclipped", "measured_lag", "hold_warmup", "no_momentum"}
+)
 
 #: ``jackknife_unclipped``: the bound of the steps the jackknife compares (a factor), wide enough
 #: that fits past :data:`NEWTON_MAX_STEP` still differ, narrow enough that a near-flat fit's
@@ -445,6 +453,8 @@ class AutoController:
         # resolve() (in __init__) filled both.
         assert cfg.meta_lr is not None and cfg.momentum is not None
         meta_lr, momentum = cfg.meta_lr, cfg.momentum
+        if "no_momentum" in PROTOTYPES:
+            momentum = 0.0
         unknown = PROTOTYPES - KNOWN_PROTOTYPES
         if unknown:
             raise ValueError(
@@ -455,6 +465,9 @@ class AutoController:
             measured = line.lag if line is not None and "measured_lag" in PROTOTYPES else None
             lag = measured if measured is not None and measured > 0 else average_lag(cfg.period)
         unclipped = "jackknife_unclipped" in PROTOTYPES
+        previous_bases = getattr(self, "_prototype_bases", {})
+        if "hold_warmup" in PROTOTYPES:
+            self._prototype_bases = dict(bases)
         deltas: dict[str, float] = {}
         raw_deltas: dict[str, float] = {}
         confidence: dict[str, float] = {}
@@ -500,6 +513,9 @@ class AutoController:
             v = momentum * self._velocity[name] + (1.0 - momentum) * delta
             if self.hold and _is_lr(axis) and v > 0:
                 v = 0.0  # held after a brake: no rise yet
+            warming = name in bases and bases[name] > previous_bases.get(name, math.inf)
+            if "hold_warmup" in PROTOTYPES and _is_lr(axis) and warming and v > 0:
+                v = 0.0
             new_velocity[name] = v
             if axis.additive:
                 new_scale[name] = self._bound_shift(axis, c + meta_lr * v, base)

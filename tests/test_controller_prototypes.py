@@ -91,3 +91,27 @@ def test_measured_lag_uses_the_lines_own_ratio(prototypes):
     # No measurement: the steady-drift ratio, as average_lag.
     unmeasured = _controller().update(line.pseudo_losses, {"lr": RHO}, step=10, line=replace(line, lag=None))
     assert unmeasured.raw_deltas["lr"] == pytest.approx(math.log(1.6 * 0.55))
+
+
+def test_hold_warmup_keeps_the_scale_from_rising_while_the_base_lr_rises(prototypes):
+    line = _line([1.6] * 4)  # "higher" every window
+    prototypes.add("hold_warmup")
+    ctl = _controller()
+    scales = []
+    for k, base in enumerate([1e-4, 2e-4, 3e-4, 3e-4, 2e-4]):  # warm-up, peak, decay
+        ctl.update(line.pseudo_losses, {"lr": RHO}, step=10 * (k + 1), base_values={"lr": base}, line=line)
+        scales.append(ctl.scale("lr"))
+    # The first update has no previous base (it moves); the next one rises with the base: held.
+    assert scales[0] > 1.0 and scales[1] == scales[0]
+    assert scales[2] == scales[1] and scales[3] > scales[2] and scales[4] > scales[3]
+
+
+def test_no_momentum_steps_by_the_windows_own_evidence(prototypes):
+    up, down = _line([1.6] * 4), _line([0.8] * 4)
+    ctl = AutoController(HDETConfig(period=10, signal="average", start_scale=1.0, brake=False), 4)
+    prototypes.add("no_momentum")
+    ctl.update(up.pseudo_losses, {"lr": RHO}, step=10, line=up)
+    after_up = ctl.scale("lr")
+    ctl.update(down.pseudo_losses, {"lr": RHO}, step=20, line=down)
+    # Without momentum the second step is the second window's own: down by its full target.
+    assert after_up == pytest.approx(1.6) and ctl.scale("lr") == pytest.approx(1.6 * 0.8)
