@@ -513,7 +513,6 @@ class FSDPRuntime(_Runtime):
                 bucket_mb=self.config.bucket_mb,
                 home=homer if self.config.home_main_params else False,
             )
-            self.params = local_shards(self.dtensors, self.arms)  # homing replaced local tensors
 
     def tensors(self) -> list[torch.Tensor]:
         """The local shards as they are now: FSDP2 replaces a local tensor object when it gives a

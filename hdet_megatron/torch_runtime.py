@@ -26,7 +26,7 @@ from hdet_megatron.config import HDETConfig
 from hdet_megatron.controller import AutoController
 from hdet_megatron.probe import PROBE_RECIPE, as_probe, probe_scalar
 from hdet_megatron.spread import arm_axis_value, arm_spread
-from hdet_megatron.window import PROBE_SIGNALS, WindowAdapter, WindowEngine
+from hdet_megatron.window import PROBE_SIGNALS, WindowAdapter, WindowEngine, zero_non_finite_state
 from hdet_megatron.window_losses import WindowLosses, reduce_window
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,6 @@ class _Runtime(WindowAdapter):
         config = resolution.config
         if config.signal in PROBE_SIGNALS and probe is None:
             raise ValueError(f"HDETConfig.signal={config.signal!r} needs a probe; {PROBE_RECIPE}")
-        self.probe_fn = probe
         self.model = model
         self.optimizer = optimizer
         self.config = config
@@ -104,7 +103,6 @@ class _Runtime(WindowAdapter):
         self.total_steps = 0
         """The schedule's length (set by ``HDETOneCycleLR``)."""
         self.spread_cache: tuple[int, dict[str, list[float]]] = (-1, {})
-        self.last_losses: WindowLosses | None = None
         self.last_stats: AverageStats | None = None
         self.last_base_lrs: list[float] = []
         self.engine = WindowEngine(self, probe, note=resolution.note, acc_dtype=self.acc_dtype)
@@ -203,7 +201,7 @@ class _Runtime(WindowAdapter):
     ) -> WindowLosses:
         """The window's one small all-reduce over ``group`` (one host sync): every rank is a loss
         reporter (:func:`hdet_megatron.window_losses.reduce_window`)."""
-        self.last_losses = reduce_window(
+        return reduce_window(
             num_arms=self.num_arms,
             num_rows=self.size,
             arm=self.arm,
@@ -221,7 +219,6 @@ class _Runtime(WindowAdapter):
             fingerprint=fingerprint,
             lag_terms=lag_terms,
         )
-        return self.last_losses
 
     def _base_lrs(self, step: int) -> list[float]:
         assert self.base_lrs_at is not None  # set by HDETOneCycleLR before its first step
@@ -245,15 +242,8 @@ class _Runtime(WindowAdapter):
         self.last_stats = self.averager.average(weight)
         return self.last_stats
 
-    @torch.no_grad()
     def sanitize_optimizer_state(self) -> None:
-        """Zero the non-finite entries of the optimizer state (momentum buffers, Adam moments),
-        or an excluded arm would turn NaN again on its next step although its parameters were just
-        overwritten by the healthy arms' average. No host sync."""
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.is_floating_point():
-                    torch.nan_to_num_(value, nan=0.0, posinf=0.0, neginf=0.0)
+        zero_non_finite_state(self.optimizer.state.values())
 
     # -- the window's state, read by the scheduler and the checkpoints ----------------------------
     @property

@@ -32,7 +32,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -58,6 +58,7 @@ __all__ = [
     "WindowEngine",
     "show_notices",
     "startup_notice",
+    "zero_non_finite_state",
 ]
 
 #: Signals whose controller input comes from a probe.
@@ -230,6 +231,17 @@ class WindowAdapter:
     def sanitize_optimizer_state(self) -> None:
         """Zero non-finite optimizer state (an excluded arm's moments)."""
         raise NotImplementedError
+
+
+@torch.no_grad()
+def zero_non_finite_state(states: Iterable[Mapping[Any, Any]]) -> None:
+    """Zero the non-finite entries of optimizer states (momentum buffers, Adam moments) in place:
+    an excluded arm's params are overwritten by the healthy arms' average, but its moments would
+    turn them non-finite again on its next step. No host sync."""
+    for state in states:
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                torch.nan_to_num_(value, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 class RollbackStore:

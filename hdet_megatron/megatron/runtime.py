@@ -43,7 +43,14 @@ from hdet_megatron.megatron.layout import ArmLayout, HDETSetupError
 from hdet_megatron.megatron.module_axes import ModuleAxes
 from hdet_megatron.megatron.scheduler import HDETOptimizerParamScheduler
 from hdet_megatron.probe import PROBE_RECIPE, BatchProbe, as_probe
-from hdet_megatron.window import PROBE_SIGNALS, RollbackStore, WindowAdapter, WindowEnd, WindowEngine
+from hdet_megatron.window import (
+    PROBE_SIGNALS,
+    RollbackStore,
+    WindowAdapter,
+    WindowEnd,
+    WindowEngine,
+    zero_non_finite_state,
+)
 from hdet_megatron.window_losses import WindowLosses, reduce_window
 
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -169,19 +176,13 @@ def main_param_is_expert(optimizer) -> list[bool]:
     return flags
 
 
-@torch.no_grad()
-def _sanitize_optimizer_state(optimizer) -> None:
-    """Zero non-finite optimizer-state entries (Adam moments of a diverged arm), in place.
-
-    The averaged params replace a diverged arm's params, but its moments would turn them
-    non-finite again on the next step.
-    """
-    for sub in _sub_optimizers(optimizer):
-        inner = getattr(sub, "optimizer", None)
-        for state in getattr(inner, "state", {}).values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.is_floating_point():
-                    torch.nan_to_num_(value, nan=0.0, posinf=0.0, neginf=0.0)
+def _inner_states(optimizer) -> list:
+    """The per-param states of the torch optimizers inside every (chained) Megatron optimizer."""
+    return [
+        state
+        for sub in _sub_optimizers(optimizer)
+        for state in getattr(getattr(sub, "optimizer", None), "state", {}).values()
+    ]
 
 
 def _grad_buffer_bytes(chunks) -> int | None:
@@ -303,7 +304,6 @@ class HDET(WindowAdapter):
                 f"held-out batches; examples/pretrain_gpt builds one); {PROBE_RECIPE}; or use "
                 "signal='train'"
             )
-        self.probe_fn = probe
         self.config = config
         # Megatron's model chunks (DDP / FSDP wrappers): untyped, used through their own methods.
         self.model: list[Any] = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -558,7 +558,7 @@ class HDET(WindowAdapter):
         return self.averager.average(weights=weight)
 
     def sanitize_optimizer_state(self) -> None:
-        _sanitize_optimizer_state(self.optimizer)
+        zero_non_finite_state(_inner_states(self.optimizer))
 
     # -- the window's state -----------------------------------------------------------------------
     @property
