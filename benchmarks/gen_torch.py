@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
                         "scales": m["scales"],
                         "update": m.get("last_update"),
                         "line": m.get("last_line"),
+                        "arm_train_losses": m.get("arm_train_losses"),
                     }
                 )
     train_seconds = time.perf_counter() - start

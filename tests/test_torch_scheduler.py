@@ -269,6 +269,16 @@ def test_state_dict_hdet_superset_and_plain_checkpoint_loads():
     assert resumed.last_epoch == 5 and resumed.controller.window == 0
 
 
+def test_metrics_carry_the_window_training_losses():
+    opt = toy_optimizer("sgd", 1)
+    sched = HDETOneCycleLR(opt, 0.1, total_steps=12, hdet=HDETConfig(period=3, auto=False))
+    assert "arm_train_losses" not in sched.metrics()
+    for loss in (1.0, 2.0, 4.5):
+        opt.step()
+        sched.step(torch.tensor(loss))
+    assert sched.metrics()["arm_train_losses"] == [2.5]  # the window's mean, one arm
+
+
 def test_errors_and_rng_untouched_single_rank():
     before = _rng_states()
     opt = toy_optimizer("sgd", 2)
