@@ -338,8 +338,8 @@ class HDETOneCycleLR(OneCycleLR):
             out["last_update"] = engine.last_update.to_dict()
         if engine.last_line is not None:
             out["last_line"] = engine.last_line.to_dict()
-        if engine.last_end is not None:
-            out["arm_train_losses"] = list(engine.last_end.train_losses)
+        if engine.last is not None:
+            out["arm_train_losses"] = list(engine.last.train_losses)
         if rt.last_stats is not None:
             out["converge_bytes"] = rt.last_stats.bytes
             out["converge_buckets"] = rt.last_stats.num_buckets

@@ -328,8 +328,6 @@ class WindowEngine:
         self.last: WindowEnd | None = None
         self.last_update: ControllerUpdate | None = None
         self.last_line: LineFit | None = None
-        self.last_end: WindowEnd | None = None
-        """The last window's end (its arms' training losses among the rest)."""
         self._warned_same_batch = False
         line, warn = startup_notice(config, note or config.resolution_note, probe is not None)
         if line and is_log_rank():
@@ -524,7 +522,6 @@ class WindowEngine:
             forced=forced,
         )
         self.num_converges += 1
-        self.last_end = end
         if update is not None:
             self.last_update = update
             self.last_line = line
