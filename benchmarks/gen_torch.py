@@ -8,6 +8,9 @@ per run:
 - ``hdet`` / ``hdet-off``: AdamW + ``HDETOneCycleLR(..., hdet=HDETConfig(period=T), model=model,
   probe_fn=BatchProbe(loss_fn, batches))`` exactly as docs/python-api.md shows it (``hdet-off``
   adds ``auto=False``: spread and converge only);
+- ``hdet-fixed``: the controller runs, probes and logs its line and step every window but never
+  moves the LR (``meta_lr=0``, ``start_scale=1``, no brake): the signal measured without feedback
+  at a fixed LR, for ``benchmarks/signal_audit.py`` (``auto=False`` skips the probes);
 - ``sf``: Schedule-Free AdamW (``schedulefree.AdamWScheduleFree``), no scheduler, its own linear
   warm-up over the task's warm-up steps, ``optimizer.train()`` for training and ``.eval()`` for
   the evaluation (its docs);
@@ -26,6 +29,7 @@ generator keyed by (seed, rank, step), so every run of one seed sees the same da
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -112,7 +116,8 @@ def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=("plain", "hdet", "hdet-off", "sf", "prodigy"), required=True)
+    modes = ("plain", "hdet", "hdet-off", "hdet-fixed", "sf", "prodigy")
+    p.add_argument("--mode", choices=modes, required=True)
     p.add_argument("--lr", type=float, required=True, help="peak LR (ignored by prodigy: lr 1)")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--pct-start", type=float, required=True, help="OneCycleLR warm-up fraction")
@@ -195,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         net = DDP(model)
     opt, shape = build_optimizer(args, model)
     sched = None
-    if args.mode in ("hdet", "hdet-off"):
+    if args.mode in ("hdet", "hdet-off", "hdet-fixed"):
         from hdet_megatron import HDETConfig, HDETOneCycleLR
         from hdet_megatron.line_search import BatchProbe
 
@@ -207,7 +212,9 @@ def main(argv: list[str] | None = None) -> None:
         from gen_megatron import switch_on_prototypes
 
         switch_on_prototypes(args.prototype)
-        hdet = HDETConfig(period=args.period, auto=args.mode == "hdet")
+        hdet = HDETConfig(period=args.period, auto=args.mode != "hdet-off")
+        if args.mode == "hdet-fixed":
+            hdet = dataclasses.replace(hdet, meta_lr=0.0, start_scale=1.0, brake=False)
         assert shape is not None
         sched = HDETOneCycleLR(opt, **shape, hdet=hdet, model=model, device_mesh=mesh, probe_fn=probe)
     elif shape is not None:
@@ -224,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
 
     write({"type": "run", "args": vars(args), "world": world, "optimizer": type(opt).__name__})
     converges, start, last_losses = 0, time.perf_counter(), []
+    arm_values = window_values = None
     for step in range(1, args.steps + 1):
         batch = windows(splits["train"], args.batch, args.seq, args.seed * 1_000_003 + 7919 * rank + step)
         loss = lm_loss(net, batch)
@@ -238,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
             last_losses.append(loss.detach())
         if hasattr(sched, "metrics"):
             m = sched.metrics()
+            # metrics() after a converge shows the next window's multipliers: keep this window's.
+            window_values, arm_values = arm_values, m["multipliers"]
             if m["num_converges"] > converges:
                 converges = m["num_converges"]
                 write(
@@ -250,6 +260,7 @@ def main(argv: list[str] | None = None) -> None:
                         "update": m.get("last_update"),
                         "line": m.get("last_line"),
                         "arm_train_losses": m.get("arm_train_losses"),
+                        "arm_values": window_values,  # as the example's window records
                     }
                 )
     train_seconds = time.perf_counter() - start

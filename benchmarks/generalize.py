@@ -170,9 +170,9 @@ class Run:
     """One row of a task's table: what trains, at which LR."""
 
     row: str
-    """``sweep-x0.5``, ``def-x1``, ``off-x4``, ``sf-x0.25``, ``prodigy``."""
+    """``sweep-x0.5``, ``def-x1``, ``off-x4``, ``sf-x0.25``, ``prodigy``, ``fixed-x1``."""
     group: str
-    """``sweep``, ``def``, ``off``, ``sf`` or ``prodigy``."""
+    """``sweep``, ``def``, ``off``, ``sf``, ``prodigy``, ``proto`` or ``fixed``."""
     lr: float
     guess: float | None
     """The LR as a multiple of the best sweep LR (None: the sweep's and Prodigy's rows)."""
@@ -188,14 +188,17 @@ def sweep_runs(task: Task, factors: Sequence[float]) -> list[Run]:
     return [Run(f"sweep-x{fmt_factor(f)}", "sweep", task.center_lr * f, None) for f in factors]
 
 
-def method_runs(best_lr: float, variants: Sequence[str] = ()) -> list[Run]:
-    """The rows that need the best sweep LR (and Prodigy, which needs none), then the variants'."""
+def method_runs(best_lr: float, variants: Sequence[str] = (), fixed: bool = False) -> list[Run]:
+    """The rows that need the best sweep LR (and Prodigy, which needs none), then the variants',
+    then (``fixed``) the signal audit's ``fixed-x{g}`` rows."""
     runs = []
     for group in ("def", "off", "sf"):
         runs += [Run(f"{group}-x{fmt_factor(g)}", group, best_lr * g, g) for g in GUESSES]
     runs.append(Run("prodigy", "prodigy", 1.0, None))
     for name in variants:
         runs += [Run(f"{name}-x{fmt_factor(g)}", "proto", best_lr * g, g, VARIANTS[name]) for g in GUESSES]
+    if fixed:
+        runs += [Run(f"fixed-x{fmt_factor(g)}", "fixed", best_lr * g, g) for g in GUESSES]
     return runs
 
 
@@ -228,7 +231,7 @@ def command(task: Task, run: Run, seed: int, data_prefix: str, eval_iters: int) 
     """The torchrun arguments (after ``--nproc-per-node``) of one run, without ``--run-dir``."""
     sets = [f"--prototype={name}" for name in run.prototypes]
     if task.path == "torch":
-        modes = {"sweep": "plain", "def": "hdet", "proto": "hdet", "off": "hdet-off"}
+        modes = {"sweep": "plain", "def": "hdet", "proto": "hdet", "off": "hdet-off", "fixed": "hdet-fixed"}
         mode = modes.get(run.group, run.group)  # sf, prodigy
         return [TORCH_WORKER, "--mode", mode, "--lr", f"{run.lr:.6g}", *torch_base(task, seed), *sets]
     base = megatron_base(task, seed, data_prefix, eval_iters)
@@ -247,6 +250,9 @@ def command(task: Task, run: Run, seed: int, data_prefix: str, eval_iters: int) 
     if run.group in ("def", "off"):
         flags = ["--hdet-period", str(task.period)] + (["--no-hdet-auto"] if run.group == "off" else [])
         return [quality.SCRIPT, *base, *quality.lr_flags(run.lr), *flags]
+    if run.group == "fixed":  # the signal without feedback (signal_audit.py): probes on, LR never moved
+        flags = ["--hdet-period", str(task.period), "--hdet-meta-lr", "0", "--hdet-start-scale", "1"]
+        return [quality.SCRIPT, *base, *quality.lr_flags(run.lr), *flags, "--no-hdet-brake"]
     if run.group == "sf":  # constant LR from Megatron's scheduler; Schedule-Free warms up itself
         flags = ["--lr", f"{run.lr:.6g}", "--min-lr", f"{run.lr:.6g}", "--lr-decay-style", "constant"]
         flags += ["--lr-warmup-iters", "0", "--no-hdet"]
@@ -405,7 +411,7 @@ def markdown_tables(rows: list[dict]) -> str:
     over seeds with min..max), the plain sweep point at the same LR where there is one, the LR
     the run trained at (guess x the controller's median scale) and the wall time per run."""
     out = []
-    order = {"sweep": 0, "def": 1, "proto": 2, "off": 3, "sf": 4, "prodigy": 5}
+    order = {"sweep": 0, "def": 1, "proto": 2, "off": 3, "sf": 4, "prodigy": 5, "fixed": 6}
     for task in TASKS.values():
         trows = [r for r in rows if r["task"] == task.name]
         if not trows:
@@ -494,6 +500,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=sorted(VARIANTS),
         help="controller prototypes to run besides the defaults (rows NAME-x{guess})",
     )
+    p.add_argument(
+        "--fixed",
+        action="store_true",
+        help="also run fixed-x{guess}: the controller probes and logs but never moves the LR "
+        "(the signal without feedback, for signal_audit.py)",
+    )
     p.add_argument("--eval-iters", type=int, default=20, help="Megatron tasks' validation batches")
     p.add_argument("--out", default="benchmarks/results/generalize")
     p.add_argument("--force", action="store_true", help="rerun finished runs")
@@ -566,7 +578,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 best = min(sweep, key=lambda f: sweep[f])
                 if next_sweep_factors(sweep):
                     log(f"{task.name} seed {seed}: sweep not bracketed after {MAX_EXTENSIONS} extensions")
-                for run in method_runs(task.center_lr * best, args.variants):
+                for run in method_runs(task.center_lr * best, args.variants, args.fixed):
                     if args.only and run.row not in args.only:
                         continue
                     do(run)

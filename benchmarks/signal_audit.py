@@ -15,9 +15,15 @@ from the logged line in two ways:
   line's. This is the correction with ``r`` *assumed*; the window engine could measure it per
   window as ``<mean_t D_t, D_T> / <D_T, D_T>``.
 
-A run at a fixed scale (auto off: ``off-x{g}``) measures the signal without feedback: from a guess
-``g`` times the best sweep LR an unbiased signal says about ``-log(g)`` on average (up from
-best/4, nothing at the best LR, down from 4x).
+A third column reads what the arms' own training said (``train slope``): per window, the
+least-squares slope of each arm's mean training loss over the window against the log of its LR
+multiplier (``arm_train_losses`` against ``arm_values``), averaged over the windows with its
+standard error over them. It is positive when the arms that trained faster did worse.
+
+A run at a fixed LR measures the signal without feedback: from a guess ``g`` times the best sweep
+LR an unbiased signal says about ``-log(g)`` on average (up from best/4, nothing at the best LR,
+down from 4x). Auto-LR off skips the probes, so such runs keep the controller on and never let it
+move (``generalize.py`` rows ``fixed-x{g}``: ``meta_lr`` 0, ``start_scale`` 1, no brake).
 """
 
 from __future__ import annotations
@@ -49,6 +55,18 @@ def newton_log_step(points: list[float], losses: list[float], scale_points: floa
     return math.log(min(max(factor, 1 / 2.0), 2.0)) if factor > 0 else -MAX_STEP
 
 
+def train_slope(window: dict) -> float:
+    """Slope of the arms' window training losses against log LR multiplier (nan if not logged)."""
+    losses = window.get("arm_train_losses")
+    multipliers = (window.get("arm_values") or {}).get("lr")
+    if not losses or not multipliers or not all(math.isfinite(v) for v in losses):
+        return math.nan
+    xs = [math.log(m) for m in multipliers]
+    mx, my = math.fsum(xs) / len(xs), math.fsum(losses) / len(losses)
+    sxx = math.fsum((x - mx) ** 2 for x in xs)
+    return math.fsum((x - mx) * (y - my) for x, y in zip(xs, losses, strict=True)) / sxx if sxx else math.nan
+
+
 def audit(run_dir: str, period: int) -> dict:
     r = (period + 1) / (2 * period)
     rows = []
@@ -64,9 +82,19 @@ def audit(run_dir: str, period: int) -> dict:
                 "lag": newton_log_step(line["points"], losses, r),
                 "confidence": (update.get("confidence") or {}).get("lr", math.nan),
                 "se": (update.get("step_se") or {}).get("lr", math.nan),
+                "train_slope": train_slope(w),
             }
         )
     return {"windows": rows, "r": r}
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and its standard error over the finite values (nan when fewer than 2)."""
+    xs = [v for v in values if math.isfinite(v)]
+    if len(xs) < 2:
+        return math.nan, math.nan
+    m = math.fsum(xs) / len(xs)
+    return m, math.sqrt(math.fsum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
 
 
 def main() -> None:
@@ -76,9 +104,9 @@ def main() -> None:
     args = p.parse_args()
     print(
         "| run | windows | logged raw step: mean (up / clipped) | recomputed as run | lag-corrected "
-        "| se = 0 | confidence >= 0.99 |"
+        "| se = 0 | confidence >= 0.99 | train slope (mean +- se) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for run in args.runs:
         res = audit(run, args.period)
         ws = res["windows"]
@@ -88,13 +116,14 @@ def main() -> None:
         def mean(key: str, ws: list = ws) -> float:
             return math.fsum(w[key] for w in ws) / len(ws)
 
+        slope, slope_se = mean_se([w["train_slope"] for w in ws])
         up = sum(w["logged"] > 0 for w in ws)
         clipped = sum(abs(w["logged"]) >= MAX_STEP - 1e-9 for w in ws)
         print(
             f"| {os.path.basename(os.path.normpath(run))} | {len(ws)} | "
             f"{mean('logged'):+.3f} ({up} / {clipped}) | "
             f"{mean('as_run'):+.3f} | {mean('lag'):+.3f} | {sum(w['se'] == 0 for w in ws)} | "
-            f"{sum(w['confidence'] >= 0.99 for w in ws)} |"
+            f"{sum(w['confidence'] >= 0.99 for w in ws)} | {slope:+.4f} +- {slope_se:.4f} |"
         )
 
 

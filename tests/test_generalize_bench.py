@@ -134,3 +134,34 @@ def g_controller_known() -> set[str]:
     from hdet_megatron.controller import KNOWN_PROTOTYPES
 
     return set(KNOWN_PROTOTYPES)
+
+
+def test_fixed_rows_probe_without_moving_the_lr_on_both_paths():
+    runs = [r for r in g.method_runs(2e-3, fixed=True) if r.group == "fixed"]
+    assert [r.row for r in runs] == ["fixed-x0.25", "fixed-x1", "fixed-x4"]
+    assert not any(r.group == "fixed" for r in g.method_runs(2e-3))
+    mega = g.command(g.TASKS["megatron-8x"], runs[1], 1234, "PREFIX", 20)
+    assert mega[0] == g.quality.SCRIPT and "--no-hdet-auto" not in mega and "--no-hdet-brake" in mega
+    assert mega[mega.index("--hdet-meta-lr") + 1] == "0" and mega[mega.index("--hdet-start-scale") + 1] == "1"
+    torch_cmd = g.command(g.TASKS["onecycle-ddp"], runs[2], 1, "", 20)
+    assert torch_cmd[torch_cmd.index("--mode") + 1] == "hdet-fixed"
+    assert float(torch_cmd[torch_cmd.index("--lr") + 1]) == 8e-3
+    args = g.parse_args(["--fixed"])
+    assert args.fixed and not g.parse_args([]).fixed
+
+
+def test_signal_audit_train_slope_is_the_least_squares_slope_on_log_multiplier():
+    import math
+
+    import signal_audit
+
+    multipliers = [1.3, 0.7, 0.9, 1.1]  # arm order, as logged
+    window = {
+        "arm_values": {"lr": multipliers},
+        "arm_train_losses": [2.0 + 0.25 * math.log(m) for m in multipliers],
+    }
+    assert signal_audit.train_slope(window) == pytest.approx(0.25, abs=1e-12)
+    assert math.isnan(signal_audit.train_slope({"arm_train_losses": [1.0] * 4}))
+    assert math.isnan(signal_audit.train_slope({**window, "arm_train_losses": [1.0, math.inf, 1.0, 1.0]}))
+    mean, se = signal_audit.mean_se([1.0, 3.0, math.nan])
+    assert mean == 2.0 and se == pytest.approx(1.0)
