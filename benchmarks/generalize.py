@@ -15,7 +15,9 @@ Every run uses 4 local gloo ranks = 4 data-parallel replicas = 4 HDET arms. Per 
 - ``off-x{g}``: the same with auto-LR off (spread and converge only) at the same guesses;
 - ``sf-x{g}``: Schedule-Free AdamW at the same guesses (its own warm-up over the task's warm-up
   steps, no schedule, evaluated in its eval mode);
-- ``prodigy``: Prodigy at lr 1 under the task's schedule shape (no guess at all).
+- ``prodigy``: Prodigy at lr 1 under the task's schedule shape (no guess at all);
+- ``fixed-x{g}`` (``--fixed``): the controller probes and logs its line and step every window but
+  never moves the LR: the signal without feedback, for ``benchmarks/signal_audit.py``.
 
 **Protocol.** ``megatron-8x`` and ``onecycle-ddp`` are the *tuning* tasks: the controller may be
 changed after looking at them. ``megatron-wsd`` and ``hsdp-cosine`` are *held out*: they run once,

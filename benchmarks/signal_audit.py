@@ -1,6 +1,7 @@
 """What the auto-LR controller's line signal says per window, from finished runs (issue 35).
 
-    .venv/bin/python benchmarks/signal_audit.py benchmarks/results/generalize/onecycle-ddp/off-x*-s1234
+    .venv/bin/python benchmarks/generalize.py --tasks onecycle-ddp --fixed --only fixed-x1 fixed-x4
+    .venv/bin/python benchmarks/signal_audit.py benchmarks/results/generalize/onecycle-ddp/fixed-x*-s1234
 
 Reads the ``window`` records (``line``: points and mean probe losses; ``update``: the logged raw
 step, se and confidence) of HDET runs of ``benchmarks/generalize.py`` or the example, and
