@@ -231,7 +231,6 @@ def main(argv: list[str] | None = None) -> None:
 
     write({"type": "run", "args": vars(args), "world": world, "optimizer": type(opt).__name__})
     converges, start, last_losses = 0, time.perf_counter(), []
-    arm_values = window_values = None
     for step in range(1, args.steps + 1):
         batch = windows(splits["train"], args.batch, args.seq, args.seed * 1_000_003 + 7919 * rank + step)
         loss = lm_loss(net, batch)
@@ -246,8 +245,6 @@ def main(argv: list[str] | None = None) -> None:
             last_losses.append(loss.detach())
         if hasattr(sched, "metrics"):
             m = sched.metrics()
-            # metrics() after a converge shows the next window's multipliers: keep this window's.
-            window_values, arm_values = arm_values, m["multipliers"]
             if m["num_converges"] > converges:
                 converges = m["num_converges"]
                 write(
@@ -260,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
                         "update": m.get("last_update"),
                         "line": m.get("last_line"),
                         "arm_train_losses": m.get("arm_train_losses"),
-                        "arm_values": window_values,  # as the example's window records
+                        "arm_values": m.get("arm_values"),  # as the example's window records
                     }
                 )
     train_seconds = time.perf_counter() - start

@@ -338,8 +338,9 @@ class HDETOneCycleLR(OneCycleLR):
             out["last_update"] = engine.last_update.to_dict()
         if engine.last_line is not None:
             out["last_line"] = engine.last_line.to_dict()
-        if engine.last is not None:
+        if engine.last is not None:  # the window that ended last (``multipliers``: the current one)
             out["arm_train_losses"] = list(engine.last.train_losses)
+            out["arm_values"] = {k: list(v) for k, v in engine.last.arm_values.items()}
         if rt.last_stats is not None:
             out["converge_bytes"] = rt.last_stats.bytes
             out["converge_buckets"] = rt.last_stats.num_buckets

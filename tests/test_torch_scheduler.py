@@ -277,6 +277,7 @@ def test_metrics_carry_the_window_training_losses():
         opt.step()
         sched.step(torch.tensor(loss))
     assert sched.metrics()["arm_train_losses"] == [2.5]  # the window's mean, one arm
+    assert sched.metrics()["arm_values"] == {"lr": [1.0]}  # the ended window's multiplier
 
 
 def test_errors_and_rng_untouched_single_rank():
