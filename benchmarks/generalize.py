@@ -63,6 +63,9 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "mlag": ("measured_lag",),
     "holdwu": ("hold_warmup",),
     "holdwu0": ("hold_warmup", "no_momentum"),
+    "sgate": ("slope_gate",),
+    "sguard": ("slope_guard",),
+    "sgg": ("slope_gate", "slope_guard"),
 }
 #: How far a sweep may extend past its first five points looking for a bracketed best.
 MAX_EXTENSIONS = 3

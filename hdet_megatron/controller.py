@@ -95,9 +95,32 @@ PROTOTYPES: set[str] = set()
 #:   the second update of a process).
 #: * ``"no_momentum"``: the LR steps without momentum (``momentum`` read as 0): a climb stops
 #:   where the line's step crosses zero instead of carrying past it.
+#: * ``"slope_gate"``: the LR scales may not rise while the arms' window training losses, fitted
+#:   against log LR multiplier (least squares) and averaged over windows (EWMA weight
+#:   :data:`SLOPE_EWMA`), rise with the LR: the high arms' lasting deficit is the sign evidence the
+#:   line lacks (at a fixed LR it crosses 0 near the best sweep LR, BENCHMARKS 3g).
+#: * ``"slope_guard"``: while that averaged slope is above :data:`SLOPE_Z` of its standard errors
+#:   the LR steps down by at least :data:`SLOPE_GUARD_STEP` (log) per window: a stable over-LR that
+#:   neither a spike nor the line sees.
 KNOWN_PROTOTYPES = frozenset(
-    {"average_lag", "jackknife_unclipped", "measured_lag", "hold_warmup", "no_momentum"}
+    {
+        "average_lag",
+        "jackknife_unclipped",
+        "measured_lag",
+        "hold_warmup",
+        "no_momentum",
+        "slope_gate",
+        "slope_guard",
+    }
 )
+
+#: ``slope_gate``/``slope_guard``: EWMA weight of a window's training-loss slope (about the last
+#: 1/SLOPE_EWMA windows count), the windows seen before either may act, the guard's bar in
+#: standard errors of the averaged slope and its least log step down per window.
+SLOPE_EWMA = 0.25
+SLOPE_MIN_WINDOWS = 3
+SLOPE_Z = 2.0
+SLOPE_GUARD_STEP = 0.35
 
 #: ``jackknife_unclipped``: the bound of the steps the jackknife compares (a factor), wide enough
 #: that fits past :data:`NEWTON_MAX_STEP` still differ, narrow enough that a near-flat fit's
@@ -465,6 +488,12 @@ class AutoController:
             measured = line.lag if line is not None and "measured_lag" in PROTOTYPES else None
             lag = measured if measured is not None and measured > 0 else average_lag(cfg.period)
         unclipped = "jackknife_unclipped" in PROTOTYPES
+        slope_gate = slope_guard = False
+        if PROTOTYPES & {"slope_gate", "slope_guard"} and move:
+            mean, se, seen = self._prototype_slope(train, spreads)
+            ready = seen >= SLOPE_MIN_WINDOWS
+            slope_gate = ready and "slope_gate" in PROTOTYPES and mean > 0.0
+            slope_guard = ready and "slope_guard" in PROTOTYPES and mean > SLOPE_Z * se
         previous_bases = getattr(self, "_prototype_bases", {})
         if "hold_warmup" in PROTOTYPES:
             self._prototype_bases = dict(bases)
@@ -516,6 +545,10 @@ class AutoController:
             warming = name in bases and bases[name] > previous_bases.get(name, math.inf)
             if "hold_warmup" in PROTOTYPES and _is_lr(axis) and warming and v > 0:
                 v = 0.0
+            if slope_gate and _is_lr(axis) and v > 0:
+                v = 0.0
+            if slope_guard and _is_lr(axis):
+                v = min(v, -SLOPE_GUARD_STEP / meta_lr) if meta_lr > 0 else v
             new_velocity[name] = v
             if axis.additive:
                 new_scale[name] = self._bound_shift(axis, c + meta_lr * v, base)
@@ -556,6 +589,33 @@ class AutoController:
         self._track_losses(train, spreads, stats, braked=brake is not None)
         update.hold = self.hold
         return update
+
+    def _prototype_slope(
+        self, train: Sequence[float], spreads: Mapping[str, Sequence[float]]
+    ) -> tuple[float, float, int]:
+        """``slope_gate``/``slope_guard``: fold this window's slope of the arms' training loss on
+        log LR multiplier into an EWMA; return its mean, standard error and the windows seen.
+        Prototype state, not checkpointed (it is rebuilt within SLOPE_MIN_WINDOWS windows)."""
+        mean, var, seen = getattr(self, "_prototype_slope_state", (0.0, 0.0, 0))
+        order = self._lr_order(train, spreads)
+        xs = [math.log(spreads[self._lr_axis][r]) for r in order] if self._lr_axis else []
+        if len(xs) >= 3 and max(xs) > min(xs):
+            mx = math.fsum(xs) / len(xs)
+            my = math.fsum(train[r] for r in order) / len(xs)
+            b = math.fsum((x - mx) * (train[r] - my) for x, r in zip(xs, order, strict=True)) / math.fsum(
+                (x - mx) ** 2 for x in xs
+            )
+            weight = max(1.0 / (seen + 1), SLOPE_EWMA)
+            deviation = b - mean
+            mean += weight * deviation
+            var = (1.0 - weight) * (var + weight * deviation * deviation)
+            seen += 1
+            self._prototype_slope_state = (mean, var, seen)
+        # An EWMA of iid values with weight a has variance var * a / (2 - a); the running mean
+        # of the first windows has var / n.
+        weight = max(1.0 / max(seen, 1), SLOPE_EWMA)
+        se = math.sqrt(var * weight / (2.0 - weight)) if seen > 1 else math.inf
+        return mean, se, seen
 
     def _history_bar(self, name: str) -> float:
         """HISTORY_Z times the RMS of the brake statistic ``name`` over past windows (0 before

@@ -1,7 +1,8 @@
 """Issue 35's controller prototypes (``hdet_megatron.controller.PROTOTYPES``, off unless a
 benchmark switches them on): ``average_lag`` (the ``average`` line's minimum moved to the end
-line's) and ``jackknife_unclipped`` (a confidence that cannot reach 1 only because every
-replica's fit was clipped)."""
+line's), ``jackknife_unclipped`` (a confidence that cannot reach 1 only because every
+replica's fit was clipped), ``hold_warmup``, ``no_momentum``, and ``slope_gate``/``slope_guard``
+(the arms' training-loss slope on log LR vetoes rises / steps the LR down)."""
 
 from __future__ import annotations
 
@@ -115,3 +116,46 @@ def test_no_momentum_steps_by_the_windows_own_evidence(prototypes):
     ctl.update(down.pseudo_losses, {"lr": RHO}, step=20, line=down)
     # Without momentum the second step is the second window's own: down by its full target.
     assert after_up == pytest.approx(1.6) and ctl.scale("lr") == pytest.approx(1.6 * 0.8)
+
+
+def _train(slope: float, noise: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)) -> list[float]:
+    """Arm training losses that rise by ``slope`` per unit of log multiplier (plus ``noise``)."""
+    return [2.0 + slope * math.log(r) + e for r, e in zip(RHO, noise, strict=True)]
+
+
+def test_slope_gate_vetoes_rises_while_the_high_arms_lose(prototypes):
+    line = _line([1.6] * 4)  # the line says "higher" every window
+
+    def run(ctl: AutoController, windows: range, slope: float) -> float:
+        for k in windows:
+            ctl.update(
+                line.pseudo_losses, {"lr": RHO}, step=10 * (k + 1), line=line, train_losses=_train(slope)
+            )
+        return ctl.scale("lr")
+
+    free = run(_controller(), range(5), 0.1)
+    prototypes.add("slope_gate")
+    ctl = _controller()
+    assert run(ctl, range(2), 0.1) == pytest.approx(1.6**2)  # too few windows yet: the line's steps
+    assert run(ctl, range(2, 5), 0.1) == pytest.approx(1.6**2)  # then held
+    assert free == pytest.approx(1.6**5)
+    # Falling losses with the LR: rises are free again.
+    assert run(ctl, range(5, 12), -0.3) > 1.6**2
+
+
+def test_slope_guard_steps_down_on_a_lasting_positive_slope_but_not_on_noise(prototypes):
+    line = _line([1.0] * 4)  # the line says "stay": only the guard moves
+    prototypes.add("slope_guard")
+    ctl = _controller()
+    for k in range(4):
+        ctl.update(line.pseudo_losses, {"lr": RHO}, step=10 * (k + 1), line=line, train_losses=_train(0.1))
+    # Windows 3 and 4 (SLOPE_MIN_WINDOWS = 3) step down by the guard's least step.
+    assert ctl.scale("lr") == pytest.approx(math.exp(-2 * controller.SLOPE_GUARD_STEP))
+    # A slope whose sign flips from window to window is noise: no step.
+    noisy = _controller()
+    for k in range(8):
+        slope = 0.3 if k % 2 else -0.3
+        noisy.update(
+            line.pseudo_losses, {"lr": RHO}, step=10 * (k + 1), line=line, train_losses=_train(slope)
+        )
+    assert noisy.scale("lr") == pytest.approx(1.0)
