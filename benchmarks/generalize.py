@@ -66,6 +66,8 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "sgate": ("slope_gate",),
     "sguard": ("slope_guard",),
     "sgg": ("slope_gate", "slope_guard"),
+    "hsgg": ("hold_warmup", "slope_gate", "slope_guard"),
+    "hlag": ("half_lag",),
 }
 #: How far a sweep may extend past its first five points looking for a bracketed best.
 MAX_EXTENSIONS = 3

@@ -102,6 +102,9 @@ PROTOTYPES: set[str] = set()
 #: * ``"slope_guard"``: while that averaged slope is above :data:`SLOPE_Z` of its standard errors
 #:   the LR steps down by at least :data:`SLOPE_GUARD_STEP` (log) per window: a stable over-LR that
 #:   neither a spike nor the line sees.
+#: * ``"half_lag"``: as ``"average_lag"`` with ``sqrt(r)``: the target halfway, in log LR, between
+#:   the averaged line's minimum (the defaults: a fixed point at 2.3-4.5x the best sweep LR on the
+#:   tuning tasks) and the end line's (``average_lag``: 0.3-0.9x), BENCHMARKS 3e.
 KNOWN_PROTOTYPES = frozenset(
     {
         "average_lag",
@@ -111,6 +114,7 @@ KNOWN_PROTOTYPES = frozenset(
         "no_momentum",
         "slope_gate",
         "slope_guard",
+        "half_lag",
     }
 )
 
@@ -487,6 +491,8 @@ class AutoController:
         if cfg.signal == "average" and PROTOTYPES & {"average_lag", "measured_lag"}:
             measured = line.lag if line is not None and "measured_lag" in PROTOTYPES else None
             lag = measured if measured is not None and measured > 0 else average_lag(cfg.period)
+        elif cfg.signal == "average" and "half_lag" in PROTOTYPES:
+            lag = math.sqrt(average_lag(cfg.period))
         unclipped = "jackknife_unclipped" in PROTOTYPES
         slope_gate = slope_guard = False
         if PROTOTYPES & {"slope_gate", "slope_guard"} and move:

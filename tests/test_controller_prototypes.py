@@ -159,3 +159,10 @@ def test_slope_guard_steps_down_on_a_lasting_positive_slope_but_not_on_noise(pro
             line.pseudo_losses, {"lr": RHO}, step=10 * (k + 1), line=line, train_losses=_train(slope)
         )
     assert noisy.scale("lr") == pytest.approx(1.0)
+
+
+def test_half_lag_targets_halfway_in_log_between_the_average_and_the_end_lines_minimum(prototypes):
+    line = _line([1.6] * 4)
+    prototypes.add("half_lag")
+    half = _controller().update(line.pseudo_losses, {"lr": RHO}, step=10, line=line)
+    assert half.raw_deltas["lr"] == pytest.approx(math.log(1.6) + 0.5 * math.log(average_lag(10)))
