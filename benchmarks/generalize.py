@@ -145,6 +145,28 @@ TASKS: dict[str, Task] = {
             ),
         ),
         Task(
+            name="megatron-longwu",
+            held_out=True,
+            path="megatron",
+            center_lr=2e-3,
+            period=10,
+            steps=160,
+            warmup=40,
+            summary="the Megatron example with a long warm-up (added after 3g, for rules frozen on "
+            "the tuning tasks that act only in a warm-up): GPT 2x160, seq 128, global batch 32, "
+            "40-iteration (25%) warm-up, linear decay to LR/10, 16 windows of 10 iterations, "
+            "10,240 tokens per arm per window",
+            options=dict(
+                layers=2,
+                hidden=160,
+                heads=5,
+                seq=128,
+                global_batch=32,
+                micro_batch=8,
+                extra="--lr-decay-style linear",
+            ),
+        ),
+        Task(
             name="hsdp-cosine",
             held_out=True,
             path="torch",
