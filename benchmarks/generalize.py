@@ -1,4 +1,4 @@
-"""Generalization of auto-LR (issue 35): four tasks, each against its own LR sweep and the LR-free
+"""Generalization of auto-LR (issue 35): five tasks, each against its own LR sweep and the LR-free
 optimizers a user would pick instead of a sweep.
 
     .venv/bin/pip install -e '.[bench]'                                  # schedulefree, prodigyopt
@@ -20,7 +20,8 @@ Every run uses 4 local gloo ranks = 4 data-parallel replicas = 4 HDET arms. Per 
   never moves the LR: the signal without feedback, for ``benchmarks/signal_audit.py``.
 
 **Protocol.** ``megatron-8x`` and ``onecycle-ddp`` are the *tuning* tasks: the controller may be
-changed after looking at them. ``megatron-wsd`` and ``hsdp-cosine`` are *held out*: they run once,
+changed after looking at them. ``megatron-wsd``, ``hsdp-cosine`` and ``megatron-longwu`` (a 25%
+warm-up, added later for rules that act only in a warm-up) are *held out*: they run once,
 with nothing changed, after the rule is frozen, and the runner refuses them without
 ``--held-out``. A finished run (its ``final`` record present) is not run again; ``--force`` reruns.
 Results: ``generalize.json`` (one row per run), ``generalize.md`` (per task: every row's final
