@@ -16,7 +16,8 @@ Flags: ``--no-hdet``, ``--hdet-period``, ``--hdet-arms``, ``--hdet-grad-sync``,
 ``--hdet-bucket-mb``, ``--no-hdet-home-main-params``, ``--hdet-converge-on-save/--no-hdet-converge-on-save``,
 ``--hdet-nonfinite``, ``--hdet-rollback``, ``--hdet-signal``, ``--hdet-start-scale``,
 ``--hdet-brake/--no-hdet-brake``, ``--hdet-brake-factor``, ``--hdet-brake-spike``,
-``--hdet-brake-rise``, ``--hdet-brake-hold``, ``--hdet-noise-aware/--no-hdet-noise-aware``.
+``--hdet-brake-rise``, ``--hdet-brake-hold``, ``--hdet-noise-aware/--no-hdet-noise-aware``,
+``--hdet-warmup-hold/--no-hdet-warmup-hold``.
 Flags left at ``auto`` (signal, rule) or unset (spread, meta LR, momentum, start scale) take the
 measured defaults when the run starts (:meth:`HDETConfig.resolve`).
 """
@@ -229,6 +230,14 @@ def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="shrink each line-signal step by its confidence (default)",
     )
     g.add_argument("--no-hdet-noise-aware", dest="hdet_noise_aware", action="store_false")
+    g.add_argument(
+        "--hdet-warmup-hold",
+        dest="hdet_warmup_hold",
+        action="store_true",
+        default=_DEFAULT.warmup_hold,
+        help="no rise of the LR scale while the base schedule warms up (default)",
+    )
+    g.add_argument("--no-hdet-warmup-hold", dest="hdet_warmup_hold", action="store_false")
     return parser
 
 
@@ -333,4 +342,5 @@ def _config(args: argparse.Namespace, axes: tuple[Axis, ...] | None) -> HDETConf
         brake_rise=getattr(args, "hdet_brake_rise", _DEFAULT.brake_rise),
         brake_hold=getattr(args, "hdet_brake_hold", _DEFAULT.brake_hold),
         noise_aware=getattr(args, "hdet_noise_aware", _DEFAULT.noise_aware),
+        warmup_hold=getattr(args, "hdet_warmup_hold", _DEFAULT.warmup_hold),
     )

@@ -141,6 +141,12 @@ def _add_simulate(subparsers) -> None:
         "--no-noise-aware", dest="noise_aware", action="store_false", help="switch noise-aware steps off"
     )
     p.add_argument(
+        "--no-warmup-hold",
+        dest="warmup_hold",
+        action="store_false",
+        help="let the LR scale rise while the base schedule warms up",
+    )
+    p.add_argument(
         "--probe-noise",
         type=number(0),
         default=0.0,
@@ -180,6 +186,7 @@ def _run_budget(args: argparse.Namespace, config: HDETConfig) -> int:
         f"meta_lr={args.meta_lr}, momentum={args.momentum}, start scale "
         f"{config.resolve(True, args.arms).config.start_scale:g}, "
         f"brake {'on' if args.brake else 'off'}, noise-aware {'on' if args.noise_aware else 'off'}, "
+        f"warm-up hold {'on' if args.warmup_hold else 'off'}, "
         f"probe noise {args.probe_noise:g}"
     )
     print(
@@ -239,6 +246,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             start_scale=args.start_scale,
             brake=args.brake,
             noise_aware=args.noise_aware,
+            warmup_hold=args.warmup_hold,
         )
         if args.problem == "tracking":
             problem = NQMProblem(dim=args.dim or 16)

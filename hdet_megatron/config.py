@@ -212,6 +212,12 @@ class HDETConfig:
     """With a line signal: shrink each step by its confidence ``d^2 / (d^2 + se^2)``, where
     ``se`` is the jackknife standard error of the step over the replicas' own line losses, so a
     weak signal (small batch) leaves the scale where it is instead of overshooting."""
+    warmup_hold: bool = True
+    """No rise of an LR scale while the base schedule's LR is still rising (its warm-up, told
+    by the base values of consecutive converges): the arms' window comparison there favours
+    LRs the schedule keeps low on purpose, and a rise compounds with the warm-up's own. Acts
+    only in windows that end inside a warm-up, so a warm-up shorter than one window is
+    untouched (BENCHMARKS.md 3h)."""
     resolution_note: str = field(default="", compare=False, repr=False)
     """Set by :meth:`resolve`: which defaults it chose and why (the run logs it once at start).
     Not a setting: not compared, not checkpointed."""
@@ -326,6 +332,8 @@ class HDETConfig:
             raise bad("brake_hold", self.brake_hold, "must be an integer >= 0 (windows)")
         if not isinstance(self.noise_aware, bool):
             raise bad("noise_aware", self.noise_aware, "must be True or False")
+        if not isinstance(self.warmup_hold, bool):
+            raise bad("warmup_hold", self.warmup_hold, "must be True or False")
 
     def axis(self, name: str) -> Axis | None:
         """The axis called ``name``, or None."""
@@ -430,6 +438,7 @@ class HDETConfig:
         data.setdefault("start_scale", 1.0)
         data.setdefault("brake", False)
         data.setdefault("noise_aware", False)
+        data.setdefault("warmup_hold", False)
         if data.get("axes") is not None:
             data["axes"] = tuple(Axis(**a) for a in data["axes"])
         if "scale_bounds" in data:

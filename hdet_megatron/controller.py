@@ -45,6 +45,8 @@ Three guards make auto-LR safe to leave on (docs/auto-lr.md):
   spike must not desensitize the brake).
 * **Noise-aware steps** (line signals, ``noise_aware``): the step's jackknife standard error ``se``
   over the replicas' own line losses shrinks it by ``d^2 / (d^2 + se^2)``.
+* **Warm-up hold** (``warmup_hold``): an LR scale may not rise in a converge at which the base
+  schedule's LR is above its value at the previous converge (a warm-up).
 """
 
 from __future__ import annotations
@@ -89,10 +91,8 @@ PROTOTYPES: set[str] = set()
 #: * ``"measured_lag"``: as ``"average_lag"`` with the window's measured ratio ``LineFit.lag``
 #:   (``<mean_t D_t, D_T> / <D_T, D_T>`` from the runtime's line search: smaller than the steady
 #:   drift's while the LR warms up), the steady-drift ``r`` where none was measured.
-#: * ``"hold_warmup"``: the LR scales may not rise while the base schedule's LR rises (its
-#:   warm-up): the line's evidence there is about LRs the schedule keeps low on purpose, and a
-#:   rise compounds with the warm-up's own (``base_values`` of consecutive updates; none before
-#:   the second update of a process).
+#: * ``"hold_warmup"``: the warm-up hold whatever ``HDETConfig.warmup_hold`` says (the prototype
+#:   of that field, kept so that the benchmark rows measured with it before it existed can be rerun).
 #: * ``"no_momentum"``: the LR steps without momentum (``momentum`` read as 0): a climb stops
 #:   where the line's step crosses zero instead of carrying past it.
 #: * ``"slope_gate"``: the LR scales may not rise while the arms' window training losses, fitted
@@ -381,6 +381,8 @@ class AutoController:
         """EWMA over windows of the spread of the arms' training losses (the brake's noise level)."""
         self.history: dict[str, tuple[int, float]] = {}
         """Per brake statistic (``spike``, ``lift``): windows seen and the EWMA of its square."""
+        self.last_bases: dict[str, float] = {}
+        """The base schedule's values at the previous update (the warm-up hold's evidence)."""
         self.last_halves: tuple[float, float] | None = None
         """The previous window's mean training loss of the lower and the upper half of the arms
         by LR multiplier (the brake's rise test)."""
@@ -500,9 +502,9 @@ class AutoController:
             ready = seen >= SLOPE_MIN_WINDOWS
             slope_gate = ready and "slope_gate" in PROTOTYPES and mean > 0.0
             slope_guard = ready and "slope_guard" in PROTOTYPES and mean > SLOPE_Z * se
-        previous_bases = getattr(self, "_prototype_bases", {})
-        if "hold_warmup" in PROTOTYPES:
-            self._prototype_bases = dict(bases)
+        # Warm-up hold: the base LR rose since the last converge (none before a process's first).
+        warmup_hold = cfg.warmup_hold or "hold_warmup" in PROTOTYPES
+        previous_bases = self.last_bases
         deltas: dict[str, float] = {}
         raw_deltas: dict[str, float] = {}
         confidence: dict[str, float] = {}
@@ -549,7 +551,7 @@ class AutoController:
             if self.hold and _is_lr(axis) and v > 0:
                 v = 0.0  # held after a brake: no rise yet
             warming = name in bases and bases[name] > previous_bases.get(name, math.inf)
-            if "hold_warmup" in PROTOTYPES and _is_lr(axis) and warming and v > 0:
+            if warmup_hold and _is_lr(axis) and warming and v > 0:
                 v = 0.0
             if slope_gate and _is_lr(axis) and v > 0:
                 v = 0.0
@@ -588,6 +590,7 @@ class AutoController:
         # Commit only after everything above succeeded.
         self._scale = new_scale
         self._velocity = new_velocity
+        self.last_bases = bases
         self.window += 1
         if move:
             self.num_updates += 1
@@ -802,6 +805,7 @@ class AutoController:
             "last_mean_loss": self.last_mean_loss,
             "noise": self.noise,
             "last_halves": None if self.last_halves is None else list(self.last_halves),
+            "last_bases": dict(self.last_bases),
             "history": {name: [count, ms] for name, (count, ms) in self.history.items()},
             "axes": {
                 name: {"scale": self._scale[name], "velocity": self._velocity[name]} for name in self._axes
@@ -868,6 +872,13 @@ class AutoController:
             raise ValueError(
                 f"controller state axes {sorted(axes)} do not match the config's axes {sorted(self._axes)}"
             )
+        bases = state.get("last_bases") or {}  # absent before the warm-up hold existed
+        if not isinstance(bases, Mapping) or not all(
+            name in self._axes and _is_number(v) and math.isfinite(v) for name, v in bases.items()
+        ):
+            raise ValueError(
+                f"controller state['last_bases']={bases!r} must map this config's axes to finite numbers"
+            )
         scales, velocities = {}, {}
         for name, axis in self._axes.items():
             entry = axes[name]
@@ -898,4 +909,5 @@ class AutoController:
         self.last_mean_loss = None if last is None else float(last)
         self.noise = None if noise is None else float(noise)
         self.last_halves = halves
+        self.last_bases = {name: float(v) for name, v in bases.items()}
         self.history = history

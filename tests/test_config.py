@@ -87,6 +87,7 @@ def test_guard_fields_are_validated():
         ({"brake_rise": -1.0}, "brake_rise"),
         ({"brake_hold": -1}, "brake_hold"),
         ({"noise_aware": "yes"}, "noise_aware"),
+        ({"warmup_hold": 0}, "warmup_hold"),
     ]:
         with pytest.raises(HDETConfigError, match=rf"HDETConfig\.{field}="):
             HDETConfig(**changes)
@@ -95,10 +96,11 @@ def test_guard_fields_are_validated():
 def test_old_fingerprints_resume_without_the_guards():
     old = HDETConfig(signal="train", rule="relative", axes=(Axis("lr", 1 / 9),), meta_lr=0.5, momentum=0.9)
     data = old.fingerprint()
-    for key in ("start_scale", "brake", "noise_aware"):
+    for key in ("start_scale", "brake", "noise_aware", "warmup_hold"):
         del data[key]
     restored = HDETConfig.from_fingerprint(data)
     assert restored.start_scale == 1.0 and not restored.brake and not restored.noise_aware
+    assert not restored.warmup_hold
     assert restored.resolved
 
 

@@ -1,4 +1,4 @@
-"""Auto-LR guards (issue 25): slow start, the brake and noise-aware steps.
+"""Auto-LR guards (issue 25): slow start, the brake, noise-aware steps and the warm-up hold.
 
 Unit checks on the controller with hand-made windows, the NQM from both sides through
 ``hdet simulate``, and one 4-rank ``HDETOneCycleLR`` world whose LR is forced far too high.
@@ -182,6 +182,56 @@ def test_brake_state_survives_a_checkpoint():
     fresh = average()
     fresh.load_state_dict(old)
     assert fresh.hold == 0 and fresh.last_mean_loss is None and fresh.scale("lr") == saved_scale
+
+
+# -- warm-up hold -------------------------------------------------------------------------------
+
+
+def _up_line():
+    """Every replica's line minimum at 1.6: the step says "higher" every window."""
+    rows = [[(p - 1.6) ** 2 for p in RHO] for _ in range(4)]
+    means = [math.fsum(col) / 4 for col in zip(*rows, strict=True)]
+    return fit_line(RHO, means, RHO, 1.0, rows)
+
+
+def _scales(ctl: AutoController, bases: list[float], first: int = 0) -> list[float]:
+    line, out = _up_line(), []
+    for k, base in enumerate(bases, start=first):
+        ctl.update(line.pseudo_losses, {"lr": RHO}, step=10 * (k + 1), base_values={"lr": base}, line=line)
+        out.append(ctl.scale("lr"))
+    return out
+
+
+def test_warmup_hold_no_rise_while_the_base_lr_rises():
+    bases = [1e-4, 2e-4, 3e-4, 3e-4, 2e-4]  # warm-up, peak, decay
+    held = _scales(average(start_scale=1.0, brake=False), bases)
+    # The first converge has nothing to compare with (it rises); the next two end in the warm-up.
+    assert held[0] > 1.0 and held[2] == held[1] == held[0]
+    assert held[4] > held[3] > held[2]
+    free = _scales(average(start_scale=1.0, brake=False, warmup_hold=False), bases)
+    assert free[2] > free[1] > free[0] == held[0]
+    # A flat or decaying schedule is never held: the same as without the hold, bit for bit.
+    flat = [3e-4, 3e-4, 2e-4, 1e-4]
+    assert _scales(average(), flat) == _scales(average(warmup_hold=False), flat)
+
+
+def test_warmup_hold_survives_a_checkpoint():
+    ctl = average(start_scale=1.0, brake=False)
+    _scales(ctl, [1e-4])
+    state = json.loads(json.dumps(ctl.state_dict()))
+    assert state["last_bases"] == {"lr": 1e-4}
+    twin = average(start_scale=1.0, brake=False)
+    twin.load_state_dict(state)
+    assert _scales(twin, [2e-4], first=1) == _scales(ctl, [2e-4], first=1) == [ctl.scale("lr")]
+    assert twin.scale("lr") == _scales(average(start_scale=1.0, brake=False), [1e-4])[0]  # held
+    # A state from before the hold resumes with nothing to compare (the next converge may rise).
+    old = dict(state)
+    old.pop("last_bases")
+    fresh = average(start_scale=1.0, brake=False)
+    fresh.load_state_dict(old)
+    assert fresh.last_bases == {}
+    with pytest.raises(ValueError, match="last_bases"):
+        average().load_state_dict(dict(state, last_bases={"lr": "x"}))
 
 
 # -- noise-aware steps --------------------------------------------------------------------------

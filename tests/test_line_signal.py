@@ -80,8 +80,9 @@ def test_fit_line_non_finite_points():
         fit_line(RHO, losses, RHO, 1.5)
 
 
-#: The rules and signals alone: slow start, brake and noise-aware steps off (tests/test_guards.py).
-RULE_ONLY = {"start_scale": 1.0, "brake": False, "noise_aware": False}
+#: The rules and signals alone: slow start, brake, noise-aware steps and the warm-up hold off
+#: (tests/test_guards.py).
+RULE_ONLY = {"start_scale": 1.0, "brake": False, "noise_aware": False, "warmup_hold": False}
 
 
 def newton(**kw) -> AutoController:

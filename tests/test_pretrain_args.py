@@ -124,6 +124,7 @@ def test_hdet_flags_cover_every_config_field(pg, data):
         "--hdet-brake-hold",
         "4",
         "--no-hdet-noise-aware",
+        "--no-hdet-warmup-hold",
     ]
     _, hdet = parse(pg, argv)
     # Every setting has a flag (resolution_note, compare=False, is what resolve() chose, not a setting).
