@@ -97,7 +97,9 @@ def test_measured_lag_uses_the_lines_own_ratio(prototypes):
 def test_hold_warmup_keeps_the_scale_from_rising_while_the_base_lr_rises(prototypes):
     line = _line([1.6] * 4)  # "higher" every window
     prototypes.add("hold_warmup")
-    ctl = _controller()
+    # The prototype holds whatever the config says (it predates HDETConfig.warmup_hold).
+    cfg = HDETConfig(period=10, signal="average", start_scale=1.0, brake=False, momentum=0.0, warmup_hold=False)
+    ctl = AutoController(cfg, 4, probe_available=True)
     scales = []
     for k, base in enumerate([1e-4, 2e-4, 3e-4, 3e-4, 2e-4]):  # warm-up, peak, decay
         ctl.update(line.pseudo_losses, {"lr": RHO}, step=10 * (k + 1), base_values={"lr": base}, line=line)
