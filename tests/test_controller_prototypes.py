@@ -98,7 +98,9 @@ def test_hold_warmup_keeps_the_scale_from_rising_while_the_base_lr_rises(prototy
     line = _line([1.6] * 4)  # "higher" every window
     prototypes.add("hold_warmup")
     # The prototype holds whatever the config says (it predates HDETConfig.warmup_hold).
-    cfg = HDETConfig(period=10, signal="average", start_scale=1.0, brake=False, momentum=0.0, warmup_hold=False)
+    cfg = HDETConfig(
+        period=10, signal="average", start_scale=1.0, brake=False, momentum=0.0, warmup_hold=False
+    )
     ctl = AutoController(cfg, 4, probe_available=True)
     scales = []
     for k, base in enumerate([1e-4, 2e-4, 3e-4, 3e-4, 2e-4]):  # warm-up, peak, decay
