@@ -32,7 +32,7 @@ independent, each with its own velocity and scale),
 A neutral controller (all arm losses equal, or all weights equal) yields ``Delta == 0``
 exactly, so the scale never drifts on its own (regression for defect 3).
 
-Three guards make auto-LR safe to leave on (docs/auto-lr.md):
+Four guards make auto-LR safer to leave on (docs/auto-lr.md):
 
 * **Slow start**: the LR scales start at ``config.start_scale`` (a quarter of the user's LR with
   the line signals) and climb only as the evidence says.
