@@ -69,6 +69,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "sgg": ("slope_gate", "slope_guard"),
     "hsgg": ("hold_warmup", "slope_gate", "slope_guard"),
     "hlag": ("half_lag",),
+    "wcap": ("warmup_cap",),
 }
 #: How far a sweep may extend past its first five points looking for a bracketed best.
 MAX_EXTENSIONS = 3

@@ -105,6 +105,9 @@ PROTOTYPES: set[str] = set()
 #: * ``"half_lag"``: as ``"average_lag"`` with ``sqrt(r)``: the target halfway, in log LR, between
 #:   the averaged line's minimum (the defaults: a fixed point at 2.3-4.5x the best sweep LR on the
 #:   tuning tasks) and the end line's (``average_lag``: 0.3-0.9x), BENCHMARKS 3e.
+#: * ``"warmup_cap"``: instead of the warm-up hold's "no rise", a rise during the warm-up may
+#:   bring an LR scale back up to 1 (the user's own LR) but not past it: a low guess is not kept
+#:   at the slow start's quarter through the warm-up (the hold's cost, BENCHMARKS 3h).
 KNOWN_PROTOTYPES = frozenset(
     {
         "average_lag",
@@ -115,6 +118,7 @@ KNOWN_PROTOTYPES = frozenset(
         "slope_gate",
         "slope_guard",
         "half_lag",
+        "warmup_cap",
     }
 )
 
@@ -551,7 +555,8 @@ class AutoController:
             if self.hold and _is_lr(axis) and v > 0:
                 v = 0.0  # held after a brake: no rise yet
             warming = name in bases and bases[name] > previous_bases.get(name, math.inf)
-            if warmup_hold and _is_lr(axis) and warming and v > 0:
+            capped = "warmup_cap" in PROTOTYPES and _is_lr(axis) and warming and v > 0
+            if warmup_hold and _is_lr(axis) and warming and v > 0 and not capped:
                 v = 0.0
             if slope_gate and _is_lr(axis) and v > 0:
                 v = 0.0
@@ -570,6 +575,8 @@ class AutoController:
                     new_scale[name] = self._clamp((base * c + meta_lr * v) / base)
             else:
                 new_scale[name] = self._clamp(c * (1.0 + meta_lr * v))
+            if capped:
+                new_scale[name] = min(new_scale[name], max(c, 1.0))
 
         update = ControllerUpdate(
             window=self.window,

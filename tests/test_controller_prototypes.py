@@ -170,3 +170,17 @@ def test_half_lag_targets_halfway_in_log_between_the_average_and_the_end_lines_m
     prototypes.add("half_lag")
     half = _controller().update(line.pseudo_losses, {"lr": RHO}, step=10, line=line)
     assert half.raw_deltas["lr"] == pytest.approx(math.log(1.6) + 0.5 * math.log(average_lag(10)))
+
+
+def test_warmup_cap_lets_a_warm_up_rise_reach_the_users_lr_but_not_pass_it(prototypes):
+    line = _line([1.6] * 4)  # "higher" every window
+    prototypes.add("warmup_cap")
+    cfg = HDETConfig(period=10, signal="average", start_scale=0.25, brake=False, momentum=0.0)
+    ctl = AutoController(cfg, 4, probe_available=True)
+    scales = []
+    for k, base in enumerate([1e-4, 2e-4, 3e-4, 4e-4, 4e-4, 3e-4]):  # warm-up, peak, decay
+        ctl.update(line.pseudo_losses, {"lr": RHO}, step=10 * (k + 1), base_values={"lr": base}, line=line)
+        scales.append(ctl.scale("lr"))
+    assert scales[:3] == pytest.approx([0.4, 0.64, 1.0])  # up to 1 in the warm-up, not 1.024
+    assert scales[3] == 1.0  # still warming: capped at 1
+    assert scales[4] == pytest.approx(1.6) and scales[5] == pytest.approx(1.6**2)  # after it: free
