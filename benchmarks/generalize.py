@@ -70,6 +70,8 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "hsgg": ("hold_warmup", "slope_gate", "slope_guard"),
     "hlag": ("half_lag",),
     "wcap": ("warmup_cap",),
+    "wpeak": ("warmup_peak",),
+    "nohold": ("no_warmup_hold",),
 }
 #: How far a sweep may extend past its first five points looking for a bracketed best.
 MAX_EXTENSIONS = 3
@@ -166,6 +168,29 @@ TASKS: dict[str, Task] = {
                 global_batch=32,
                 micro_batch=8,
                 extra="--lr-decay-style linear",
+            ),
+        ),
+        Task(
+            name="hsdp-longwu",
+            held_out=True,
+            path="torch",
+            center_lr=3e-3,
+            period=10,
+            steps=200,
+            warmup=40,
+            summary="byte-level GPT in plain torch on FSDP2 (HSDP mesh 4 replicas x 1 shard) with a "
+            "long warm-up (added after 3h, for the warm-up hold frozen there): AdamW + OneCycleLR "
+            "with a 20% warm-up from LR/25 and a cosine decay to LR/100, GPT 3x128, seq 64, 16 "
+            "sequences per rank, 20 windows of 10 steps, 10,240 tokens per arm per window",
+            options=dict(
+                width=128,
+                layers=3,
+                heads=4,
+                seq=64,
+                batch=16,
+                pct_start=0.2,
+                final_div_factor=100.0,
+                fsdp=1,
             ),
         ),
         Task(

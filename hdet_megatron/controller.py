@@ -108,6 +108,16 @@ PROTOTYPES: set[str] = set()
 #: * ``"warmup_cap"``: instead of the warm-up hold's "no rise", a rise during the warm-up may
 #:   bring an LR scale back up to 1 (the user's own LR) but not past it: a low guess is not kept
 #:   at the slow start's quarter through the warm-up (the hold's cost, BENCHMARKS 3h).
+#: * ``"warmup_peak"`` (``newton``): instead of the warm-up hold's "no rise", a rise during the
+#:   warm-up may go as far as puts the schedule's *peak* at the LR the window's line prefers *now*
+#:   (``c * mean window base / peak * exp(step)``, ``peak_values`` from the runtime), no further.
+#:   Inside a warm-up the line compares the arms at the current, lower LR, so it says "higher"
+#:   at any guess; what it prefers now is a lower bound of what the peak may be (a warm-up exists
+#:   because the best LR grows while the model is young), so a rise that keeps the peak below it
+#:   cannot overshoot by the line's own evidence. A low guess climbs in the warm-up's last windows;
+#:   a high one, whose line prefers about the LR it has, does not.
+#: * ``"no_warmup_hold"``: the warm-up hold off whatever ``HDETConfig.warmup_hold`` says (the
+#:   defaults before it, as benchmark rows beside the defaults).
 KNOWN_PROTOTYPES = frozenset(
     {
         "average_lag",
@@ -119,6 +129,8 @@ KNOWN_PROTOTYPES = frozenset(
         "slope_guard",
         "half_lag",
         "warmup_cap",
+        "warmup_peak",
+        "no_warmup_hold",
     }
 )
 
@@ -439,12 +451,15 @@ class AutoController:
         *,
         line: LineFit | None = None,
         train_losses: Sequence[float] | None = None,
+        peak_values: Mapping[str, float] | None = None,
     ) -> ControllerUpdate:
         """One converge: weigh the arms by their window losses and move every axis.
 
         ``line``: the window's line fit (line signals), whose replica rows give the noise-aware
         step its standard error. ``train_losses``: each arm's mean training loss over the window
         (the brake's evidence; ``arm_losses`` with ``signal="train"`` when not given).
+        ``peak_values[axis]``: the base schedule's largest value from ``step`` to its end (only
+        the ``warmup_peak`` prototype reads it).
 
         ``arm_losses[r]``: arm r's mean training loss over the window. ``arm_spreads[axis][r]``:
         the multiplier (or additive offset) arm r used on that axis in the window.
@@ -507,7 +522,7 @@ class AutoController:
             slope_gate = ready and "slope_gate" in PROTOTYPES and mean > 0.0
             slope_guard = ready and "slope_guard" in PROTOTYPES and mean > SLOPE_Z * se
         # Warm-up hold: the base LR rose since the last converge (none before a process's first).
-        warmup_hold = cfg.warmup_hold or "hold_warmup" in PROTOTYPES
+        warmup_hold = (cfg.warmup_hold or "hold_warmup" in PROTOTYPES) and "no_warmup_hold" not in PROTOTYPES
         previous_bases = self.last_bases
         deltas: dict[str, float] = {}
         raw_deltas: dict[str, float] = {}
@@ -556,7 +571,25 @@ class AutoController:
                 v = 0.0  # held after a brake: no rise yet
             warming = name in bases and bases[name] > previous_bases.get(name, math.inf)
             capped = "warmup_cap" in PROTOTYPES and _is_lr(axis) and warming and v > 0
-            if warmup_hold and _is_lr(axis) and warming and v > 0 and not capped:
+            peak = (peak_values or {}).get(name)
+            peaked = (
+                "warmup_peak" in PROTOTYPES
+                and cfg.rule == "newton"
+                and _is_lr(axis)
+                and warming
+                and v > 0
+                and peak is not None
+                and peak > 0.0
+                and meta_lr > 0
+            )
+            if peaked:
+                assert peak is not None
+                # The LR the window trained at (its base, averaged over the window, times c) moved
+                # by the line's step is what the line prefers now; the peak may reach it.
+                window_base = 0.5 * (previous_bases[name] + bases[name])
+                allowed = math.log(max(c * window_base / peak * math.exp(delta), c) / c)
+                v = min(v, allowed / meta_lr)
+            if warmup_hold and _is_lr(axis) and warming and v > 0 and not capped and not peaked:
                 v = 0.0
             if slope_gate and _is_lr(axis) and v > 0:
                 v = 0.0

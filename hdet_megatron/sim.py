@@ -567,6 +567,7 @@ def simulate_budget(
                 t,
                 base_values={"lr": float(base[t - 1])},
                 line=line,
+                peak_values={"lr": float(base[t - 1 :].max())},
                 train_losses=train_losses.tolist(),
             )
         )

@@ -100,6 +100,9 @@ class _Runtime(WindowAdapter):
         self.acc_dtype = torch.float32 if self.device.type == "mps" else torch.float64
         self.base_lrs_at: Callable[[int], list[float]] | None = None
         """The scheduler's base LR of every param group at a step (set by ``HDETOneCycleLR``)."""
+        self.peak_lrs_from: Callable[[int], list[float]] | None = None
+        """Every group's largest base LR from a step to the schedule's end (set with
+        ``base_lrs_at``; the ``warmup_peak`` prototype)."""
         self.total_steps = 0
         """The schedule's length (set by ``HDETOneCycleLR``)."""
         self.spread_cache: tuple[int, dict[str, list[float]]] = (-1, {})
@@ -234,6 +237,15 @@ class _Runtime(WindowAdapter):
             axis.name: bases[self.group_axes.index(axis)]
             for axis in self.config.resolved_axes
             if axis in self.group_axes
+        }
+
+    def peak_values(self, step: int) -> dict[str, float]:
+        assert self.peak_lrs_from is not None  # set by HDETOneCycleLR with base_lrs_at
+        peaks = self.peak_lrs_from(step)
+        return {
+            axis.name: peaks[self.group_axes.index(axis)]
+            for axis in self.config.resolved_axes
+            if axis in self.group_axes and axis.name.startswith("lr")
         }
 
     def average(self, weight: float | None) -> AverageStats | None:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hdet_megatron import controller as controller_module
 from hdet_megatron.averaging import AverageStats, own_storage
 from hdet_megatron.config import LINE_SIGNALS, HDETConfig
 from hdet_megatron.controller import AllArmsNonFinite, AutoController, ControllerUpdate
@@ -222,6 +223,11 @@ class WindowAdapter:
     def base_values(self, step: int) -> dict[str, float]:
         """Every axis's base (un-spread, un-scaled) value for the next step, after ``step`` steps
         (``rule="paper"``)."""
+        raise NotImplementedError
+
+    def peak_values(self, step: int) -> dict[str, float]:
+        """Every LR axis's largest base value from the next step to the schedule's end (the
+        ``warmup_peak`` controller prototype; not called otherwise)."""
         raise NotImplementedError
 
     def average(self, weight: float | None) -> AverageStats | None:
@@ -489,6 +495,9 @@ class WindowEngine:
                     adapter.base_values(step),
                     line=line,
                     train_losses=train,
+                    peak_values=(
+                        adapter.peak_values(step) if "warmup_peak" in controller_module.PROTOTYPES else None
+                    ),
                 )
             except AllArmsNonFinite:
                 if self.rollback is None:

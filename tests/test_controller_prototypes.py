@@ -2,7 +2,8 @@
 benchmark switches them on): ``average_lag`` (the ``average`` line's minimum moved to the end
 line's), ``jackknife_unclipped`` (a confidence that cannot reach 1 only because every
 replica's fit was clipped), ``hold_warmup``, ``no_momentum``, and ``slope_gate``/``slope_guard``
-(the arms' training-loss slope on log LR vetoes rises / steps the LR down)."""
+(the arms' training-loss slope on log LR vetoes rises / steps the LR down), ``half_lag``,
+``warmup_cap`` and ``warmup_peak`` (a warm-up rise bounded by the schedule's peak)."""
 
 from __future__ import annotations
 
@@ -184,3 +185,56 @@ def test_warmup_cap_lets_a_warm_up_rise_reach_the_users_lr_but_not_pass_it(proto
     assert scales[:3] == pytest.approx([0.4, 0.64, 1.0])  # up to 1 in the warm-up, not 1.024
     assert scales[3] == 1.0  # still warming: capped at 1
     assert scales[4] == pytest.approx(1.6) and scales[5] == pytest.approx(1.6**2)  # after it: free
+
+
+def test_warmup_peak_lets_a_warm_up_rise_put_the_peak_at_the_lines_lr_now(prototypes):
+    prototypes.add("warmup_peak")
+    cfg = HDETConfig(period=10, signal="average", start_scale=0.25, brake=False, momentum=0.0)
+    bases = [1e-4, 2e-4, 3e-4, 4e-4, 4e-4, 3e-4]  # warm-up, peak, decay
+
+    def run(minimum: float, peaks: bool = True) -> list[float]:
+        line = _line([minimum] * 4)  # the replicas agree: confidence 1
+        ctl = AutoController(cfg, 4, probe_available=True)
+        scales = []
+        for k, base in enumerate(bases):
+            ctl.update(
+                line.pseudo_losses,
+                {"lr": RHO},
+                step=10 * (k + 1),
+                base_values={"lr": base},
+                line=line,
+                peak_values={"lr": max(bases[k:])} if peaks else None,
+            )
+            scales.append(ctl.scale("lr"))
+        return scales
+
+    # The line wants 1.6x the window's LR. Windows 2 and 3 train at 1.5e-4 and 2.5e-4 (bases
+    # averaged): 1.6x that is below the 4e-4 peak, so no rise; window 4 (3.5e-4): 1.6 * 3.5 / 4 =
+    # 1.4, so the scale may rise 1.4x of its 1.6x. The first update (no previous base) and the
+    # ones after the warm-up are free.
+    low = run(1.6)
+    assert low == pytest.approx([0.4, 0.4, 0.4, 0.56, 0.896, 0.896 * 1.6])
+    # A line content with about the LR it has never lifts the peak above it in the warm-up.
+    near = run(1.05)
+    assert near[1:4] == [near[0]] * 3
+    # Without the runtime's peak the prototype falls back to the warm-up hold.
+    held = run(1.6, peaks=False)
+    assert held[1:4] == [held[0]] * 3 and held[4] == pytest.approx(held[0] * 1.6)
+
+
+def test_no_warmup_hold_switches_the_default_hold_off(prototypes):
+    line = _line([1.6] * 4)  # "higher" every window
+    cfg = HDETConfig(period=10, signal="average", start_scale=1.0, brake=False, momentum=0.0)
+    assert cfg.warmup_hold
+
+    def scales() -> list[float]:
+        ctl = AutoController(cfg, 4, probe_available=True)
+        for k, base in enumerate([1e-4, 2e-4, 3e-4]):  # a warm-up
+            ctl.update(
+                line.pseudo_losses, {"lr": RHO}, step=10 * (k + 1), base_values={"lr": base}, line=line
+            )
+        return [ctl.scale("lr")]
+
+    assert scales() == pytest.approx([1.6])  # held after the first update
+    prototypes.add("no_warmup_hold")
+    assert scales() == pytest.approx([1.6**3])

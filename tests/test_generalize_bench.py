@@ -17,11 +17,13 @@ def test_four_tasks_two_tuning_two_held_out_on_three_paths():
     assert sorted(t.name for t in g.TASKS.values() if not t.held_out) == ["megatron-8x", "onecycle-ddp"]
     assert sorted(t.name for t in g.TASKS.values() if t.held_out) == [
         "hsdp-cosine",
+        "hsdp-longwu",
         "megatron-longwu",
         "megatron-wsd",
     ]
     assert {t.path for t in g.TASKS.values()} == {"megatron", "torch"}
-    assert g.TASKS["hsdp-cosine"].options["fsdp"] == 1  # FSDP2 (the other torch task is DDP)
+    assert g.TASKS["hsdp-cosine"].options["fsdp"] == 1  # FSDP2 (the other torch tasks: DDP)
+    assert g.TASKS["hsdp-longwu"].options["fsdp"] == 1
     for t in g.TASKS.values():
         assert t.steps % t.period == 0, t.name  # the last window ends at the last step
 
@@ -31,7 +33,7 @@ def test_default_tasks_are_the_tuning_tasks():
     assert args.tasks == ["megatron-8x", "onecycle-ddp"] and args.seeds == [1234]
 
 
-@pytest.mark.parametrize("task", ["megatron-wsd", "hsdp-cosine", "megatron-longwu"])
+@pytest.mark.parametrize("task", ["megatron-wsd", "hsdp-cosine", "megatron-longwu", "hsdp-longwu"])
 def test_held_out_tasks_are_refused_without_the_flag(task, capsys):
     with pytest.raises(SystemExit):
         g.parse_args(["--tasks", "onecycle-ddp", task])

@@ -99,6 +99,15 @@ def test_equals_torch_onecycle_single_rank(kind, groups, total, kw, hdet):
         assert sched.num_arms == 1 and sched.arm == 0
 
 
+@pytest.mark.parametrize("kind, groups, total, kw", [case[:4] for case in CASES])
+def test_peak_lrs_are_the_largest_base_lr_to_come(kind, groups, total, kw):
+    """The ``warmup_peak`` prototype's input, against every later step's base LR."""
+    sched = HDETOneCycleLR(toy_optimizer(kind, groups), total_steps=total, **kw)
+    for step in range(total + 1):
+        future = [sched._base_lrs_at(s) for s in range(step, total + 1)]
+        assert sched._peak_lrs_from(step) == [max(column) for column in zip(*future, strict=True)]
+
+
 def test_epochs_and_state_dict_like_torch():
     opt, ref_opt = toy_optimizer("sgd", 1), toy_optimizer("sgd", 1)
     sched = HDETOneCycleLR(opt, 0.1, epochs=3, steps_per_epoch=4)

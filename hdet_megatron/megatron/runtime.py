@@ -554,6 +554,9 @@ class HDET(WindowAdapter):
     def base_values(self, step: int) -> dict[str, float]:
         return {**self.scheduler.base_values(), **self.module_axes.base_values()}
 
+    def peak_values(self, step: int) -> dict[str, float]:
+        return self.scheduler.peak_values()
+
     def average(self, weight: float | None) -> AverageStats:
         return self.averager.average(weights=weight)
 

@@ -252,6 +252,18 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):  # megatron-core is 
             self.num_steps = saved
         return now, end
 
+    def peak_values(self) -> dict[str, float]:
+        """Every LR axis's largest base value from now to the schedule's end (the ``warmup_peak``
+        controller prototype): ``get_lr`` at the warm-up's end or now, whichever is later, since
+        every Megatron decay style (constant, linear, cosine, inverse-square-root, WSD) is
+        non-increasing after its linear warm-up."""
+        saved = self.num_steps
+        try:
+            self.num_steps = max(saved, self.lr_warmup_steps)
+            return {name: value for name, value in self.base_values().items() if name.startswith("lr")}
+        finally:
+            self.num_steps = saved
+
     def base_values(self) -> dict[str, float]:
         """Base (un-spread, un-scaled) value of every scheduler axis now (for ``rule="paper"``)."""
         groups = self.optimizer.param_groups
