@@ -1,4 +1,4 @@
-"""Generalization of auto-LR (issue 35): five tasks, each against its own LR sweep and the LR-free
+"""Generalization of auto-LR (issue 35): six tasks, each against its own LR sweep and the LR-free
 optimizers a user would pick instead of a sweep.
 
     .venv/bin/pip install -e '.[bench]'                                  # schedulefree, prodigyopt
@@ -20,10 +20,11 @@ Every run uses 4 local gloo ranks = 4 data-parallel replicas = 4 HDET arms. Per 
   never moves the LR: the signal without feedback, for ``benchmarks/signal_audit.py``.
 
 **Protocol.** ``megatron-8x`` and ``onecycle-ddp`` are the *tuning* tasks: the controller may be
-changed after looking at them. ``megatron-wsd``, ``hsdp-cosine`` and ``megatron-longwu`` (a 25%
-warm-up, added later for rules that act only in a warm-up) are *held out*: they run once,
-with nothing changed, after the rule is frozen, and the runner refuses them without
-``--held-out``. A finished run (its ``final`` record present) is not run again; ``--force`` reruns.
+changed after looking at them. ``megatron-wsd``, ``hsdp-cosine``, ``megatron-longwu`` (a 25%
+warm-up, added later for rules that act only in a warm-up) and ``hsdp-longwu`` (FSDP2 with a
+20% warm-up, added after the warm-up hold was frozen) are *held out*: they run once, with
+nothing changed, after the rule is frozen, and the runner refuses them without ``--held-out``.
+A finished run (its ``final`` record present) is not run again; ``--force`` reruns.
 Results: ``generalize.json`` (one row per run), ``generalize.md`` (per task: every row's final
 validation loss and its gap to that seed's best sweep point) under ``--out``; the per-window
 controller data stay in each run's ``metrics.jsonl`` (``benchmarks/plots.py --controller``
