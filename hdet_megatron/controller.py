@@ -114,8 +114,9 @@ PROTOTYPES: set[str] = set()
 #:   Inside a warm-up the line compares the arms at the current, lower LR, so it says "higher"
 #:   at any guess; what it prefers now is a lower bound of what the peak may be (a warm-up exists
 #:   because the best LR grows while the model is young), so a rise that keeps the peak below it
-#:   cannot overshoot by the line's own evidence. A low guess climbs in the warm-up's last windows;
-#:   a high one, whose line prefers about the LR it has, does not.
+#:   cannot overshoot by the line's own evidence. Measured and rejected (BENCHMARKS 3i): near and
+#:   above the best LR the late warm-up's line still prefers more (the ``average`` line's upward
+#:   bias), so a high guess climbs too.
 #: * ``"no_warmup_hold"``: the warm-up hold off whatever ``HDETConfig.warmup_hold`` says (the
 #:   defaults before it, as benchmark rows beside the defaults).
 KNOWN_PROTOTYPES = frozenset(
