@@ -501,6 +501,7 @@ def simulate_budget(
     replicas = arms * replicas_per_arm
     best_peak, best_loss = budget_best_peak_lr(problem, steps, replicas)
     base = problem.schedule(steps, best_peak * start_scale)
+    peaks = np.maximum.accumulate(base[::-1])[::-1]  # peaks[t]: the largest base LR from step t on
     h = problem.curvatures()
     rng = np.random.default_rng(seed)
     controller = AutoController(config, arms)
@@ -567,7 +568,7 @@ def simulate_budget(
                 t,
                 base_values={"lr": float(base[t - 1])},
                 line=line,
-                peak_values={"lr": float(base[t - 1 :].max())},
+                peak_values={"lr": float(peaks[t - 1])},
                 train_losses=train_losses.tolist(),
             )
         )

@@ -231,22 +231,20 @@ class _Runtime(WindowAdapter):
         """Param group 0's OneCycle base LR at ``step`` (the next window's first) and at the end."""
         return self._base_lrs(step)[0], self._base_lrs(self.total_steps)[0]
 
-    def base_values(self, step: int) -> dict[str, float]:
-        bases = self._base_lrs(step)  # base schedule at the first step of the next window
+    def _per_axis(self, group_lrs: list[float]) -> dict[str, float]:
+        """Each LR axis's value from a list with one per param group (its first group's)."""
         return {
-            axis.name: bases[self.group_axes.index(axis)]
+            axis.name: group_lrs[self.group_axes.index(axis)]
             for axis in self.config.resolved_axes
             if axis in self.group_axes
         }
 
+    def base_values(self, step: int) -> dict[str, float]:
+        return self._per_axis(self._base_lrs(step))  # the base schedule at the next window's first step
+
     def peak_values(self, step: int) -> dict[str, float]:
         assert self.peak_lrs_from is not None  # set by HDETOneCycleLR with base_lrs_at
-        peaks = self.peak_lrs_from(step)
-        return {
-            axis.name: peaks[self.group_axes.index(axis)]
-            for axis in self.config.resolved_axes
-            if axis in self.group_axes and axis.name.startswith("lr")
-        }
+        return self._per_axis(self.peak_lrs_from(step))
 
     def average(self, weight: float | None) -> AverageStats | None:
         if self.averager is None:

@@ -227,14 +227,14 @@ def test_no_warmup_hold_switches_the_default_hold_off(prototypes):
     cfg = HDETConfig(period=10, signal="average", start_scale=1.0, brake=False, momentum=0.0)
     assert cfg.warmup_hold
 
-    def scales() -> list[float]:
+    def final_scale() -> float:
         ctl = AutoController(cfg, 4, probe_available=True)
         for k, base in enumerate([1e-4, 2e-4, 3e-4]):  # a warm-up
             ctl.update(
                 line.pseudo_losses, {"lr": RHO}, step=10 * (k + 1), base_values={"lr": base}, line=line
             )
-        return [ctl.scale("lr")]
+        return ctl.scale("lr")
 
-    assert scales() == pytest.approx([1.6])  # held after the first update
+    assert final_scale() == pytest.approx(1.6)  # held after the first update
     prototypes.add("no_warmup_hold")
-    assert scales() == pytest.approx([1.6**3])
+    assert final_scale() == pytest.approx(1.6**3)

@@ -10,7 +10,9 @@ to plain Megatron.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -243,26 +245,28 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):  # megatron-core is 
         Megatron's ``OptimizerParamScheduler.get_lr`` (which reads ``self.num_steps``), for the
         ``line`` signal's persistence ``kappa``."""
         group = self.optimizer.param_groups[0] if self.optimizer.param_groups else {}
-        now = self.get_lr(group)
-        saved = self.num_steps
-        try:
-            self.num_steps = max(self.lr_decay_steps, saved)
+        with self._at_step(max(self.lr_decay_steps, self.num_steps)):
             end = self.get_lr(group)
+        return self.get_lr(group), end
+
+    @contextlib.contextmanager
+    def _at_step(self, num_steps: int) -> Iterator[None]:
+        """Megatron's ``get_lr``/``get_wd`` read ``self.num_steps``: evaluate them at another step,
+        then put it back (nothing else changes)."""
+        saved = self.num_steps
+        self.num_steps = num_steps
+        try:
+            yield
         finally:
             self.num_steps = saved
-        return now, end
 
     def peak_values(self) -> dict[str, float]:
         """Every LR axis's largest base value from now to the schedule's end (the ``warmup_peak``
         controller prototype): ``get_lr`` at the warm-up's end or now, whichever is later, since
         every Megatron decay style (constant, linear, cosine, inverse-square-root, WSD) is
         non-increasing after its linear warm-up."""
-        saved = self.num_steps
-        try:
-            self.num_steps = max(saved, self.lr_warmup_steps)
+        with self._at_step(max(self.num_steps, self.lr_warmup_steps)):
             return {name: value for name, value in self.base_values().items() if name.startswith("lr")}
-        finally:
-            self.num_steps = saved
 
     def base_values(self) -> dict[str, float]:
         """Base (un-spread, un-scaled) value of every scheduler axis now (for ``rule="paper"``)."""
