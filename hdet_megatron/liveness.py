@@ -13,7 +13,8 @@ waits for the process-group timeout on NCCL (10 minutes by default), and a node 
   is *lost*: the pinging rank prints one line naming it and ends its process, and torchrun stops
   the node's other workers (or restarts the group under ``--max-restarts``);
 - :meth:`Liveness.diagnose` probes the other nodes at once, for a collective that failed in the
-  main thread (gloo): the same line, printed once per node.
+  main thread (gloo): the same line, printed once per node by its lowest rank; the node's other
+  ranks wait (a bounded time) until that rank has ended before they end theirs.
 
 Nothing here talks to anything but the run's own ranks; with one node (or one rank) it does
 nothing. The advertised address is the one this host uses to reach ``MASTER_ADDR`` (loopback
@@ -221,7 +222,8 @@ class Liveness:
 
     def diagnose(self, error: BaseException) -> bool:
         """After a failed collective: probe the other nodes now; when one is lost, report it
-        (from this node's lowest rank; the others stay quiet) and return True."""
+        (from this node's lowest rank; the others stay quiet and return once it has ended) and
+        return True."""
         if self.me is None or not self.peers:
             return False
         lost = []
@@ -239,15 +241,33 @@ class Liveness:
                 )
         if not lost:
             return False
-        head = min(p.rank for p in self.peers if p.node == self.me.node)
-        if self.me.rank == head:
+        head = min((p for p in self.peers if p.node == self.me.node), key=lambda p: p.rank)
+        if self.me.rank == head.rank:
             first = _short(error)
             with self._lock:
                 if self._reported:
                     return True
                 self._reported = True
             print(self.line(lost, f"a collective failed: {first}"), file=sys.stderr, flush=True)
+        else:
+            self._await_head(head)
         return True
+
+    def head_grace(self) -> float:
+        """How long a node's other ranks wait for its lowest rank to report (:meth:`diagnose`):
+        two heartbeats (its watcher's bound for a gone node) plus its own probing of a node still
+        being torn down (3 s)."""
+        return 2 * self.interval + 3.0
+
+    def _await_head(self, head: Peer) -> None:
+        """Return once this node's lowest rank has ended (its port refuses: it has printed the
+        line, or stopped), or after :meth:`head_grace`. A rank that exits first makes torchrun
+        stop the node's other workers, the lowest one among them before it could print."""
+        end = time.monotonic() + self.head_grace()
+        while time.monotonic() < end:
+            if probe(head.addr, head.port, timeout=0.5) == "gone":
+                return
+            time.sleep(0.1)
 
     def stop(self) -> None:
         """Stop pinging and answering (before a normal exit)."""

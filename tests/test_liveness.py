@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -151,3 +152,32 @@ def test_stopped_watcher_and_single_node_report_nothing(peer, capfd):
     solo.stop()
     with pytest.raises(ValueError):
         mod.Liveness(0)
+
+
+def test_other_ranks_of_a_node_wait_for_its_lowest_rank_to_report(peer, capfd):
+    """A rank that is not its node's lowest returns from diagnose() only once that rank has ended
+    (or after the grace): exiting first would let torchrun stop the lowest rank before it prints."""
+    mod = _load()
+    head, head_port = peer  # alive: this node's lowest rank, still probing
+    lost = socket.socket()
+    lost.bind(("127.0.0.1", 0))
+    lost_port = lost.getsockname()[1]
+    lost.close()  # nothing listens: the lost node's port refuses
+    assert mod.probe("127.0.0.1", lost_port, 1.0) == "gone"
+    live = mod.Liveness(30, prog="test", interval=0.1, exit=lambda code: None)
+    me = live.listen(rank=1, node=0, name="0", addr="127.0.0.1")
+    live.peers = [
+        mod.Peer(0, 0, "0", me.host, "127.0.0.1", head_port, head.pid),
+        me,
+        mod.Peer(2, 1, "1", "hostB", "127.0.0.1", lost_port, 0),
+    ]
+    start = time.monotonic()
+    assert live.diagnose(RuntimeError("Connection closed by peer")) is True
+    assert time.monotonic() - start >= live.head_grace()  # the head never ended: the full grace
+    head.kill()
+    head.wait()
+    start = time.monotonic()
+    assert live.diagnose(RuntimeError("Connection closed by peer")) is True
+    assert time.monotonic() - start < live.head_grace()  # the head has ended: at once
+    assert capfd.readouterr().err == ""  # only the lowest rank prints
+    live.stop()
