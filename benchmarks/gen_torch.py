@@ -138,6 +138,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         help="switch on a controller prototype (hdet_megatron.controller.PROTOTYPES)",
     )
+    p.add_argument(
+        "--spread",
+        type=float,
+        default=None,
+        help="HDET modes: the LR axis's spread (default: HDETConfig's, 0.3 with the line signal)",
+    )
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--run-dir", required=True)
     return p.parse_args(argv)
@@ -201,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     opt, shape = build_optimizer(args, model)
     sched = None
     if args.mode in ("hdet", "hdet-off", "hdet-fixed"):
-        from hdet_megatron import HDETConfig, HDETOneCycleLR
+        from hdet_megatron import Axis, HDETConfig, HDETOneCycleLR
         from hdet_megatron.line_search import BatchProbe
 
         # The documented recipe: each rank scores its own held-out batch per window.
@@ -213,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
 
         switch_on_prototypes(args.prototype)
         hdet = HDETConfig(period=args.period, auto=args.mode != "hdet-off")
+        if args.spread is not None:
+            hdet = dataclasses.replace(hdet, axes=(Axis("lr", args.spread),))
         if args.mode == "hdet-fixed":
             hdet = dataclasses.replace(hdet, meta_lr=0.0, start_scale=1.0, brake=False)
         assert shape is not None

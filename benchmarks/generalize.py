@@ -1,4 +1,4 @@
-"""Generalization of auto-LR (issue 35): six tasks, each against its own LR sweep and the LR-free
+"""Generalization of auto-LR (issue 35): eight tasks, each against its own LR sweep and the LR-free
 optimizers a user would pick instead of a sweep.
 
     .venv/bin/pip install -e '.[bench]'                                  # schedulefree, prodigyopt
@@ -21,9 +21,11 @@ Every run uses 4 local gloo ranks = 4 data-parallel replicas = 4 HDET arms. Per 
 
 **Protocol.** ``megatron-8x`` and ``onecycle-ddp`` are the *tuning* tasks: the controller may be
 changed after looking at them. ``megatron-wsd``, ``hsdp-cosine``, ``megatron-longwu`` (a 25%
-warm-up, added later for rules that act only in a warm-up) and ``hsdp-longwu`` (FSDP2 with a
-20% warm-up, added after the warm-up hold was frozen) are *held out*: they run once, with
-nothing changed, after the rule is frozen, and the runner refuses them without ``--held-out``.
+warm-up, added later for rules that act only in a warm-up), ``hsdp-longwu`` (FSDP2 with a 20%
+warm-up, added after the warm-up hold was frozen), ``ddp-shortwu`` and ``megatron-wide`` (added
+after 3i, before any run of them, for the narrow spread with a wide line) are *held out*: they
+run once, with nothing changed, after the rule is frozen, and the runner refuses them without
+``--held-out``.
 A finished run (its ``final`` record present) is not run again; ``--force`` reruns.
 Results: ``generalize.json`` (one row per run), ``generalize.md`` (per task: every row's final
 validation loss and its gap to that seed's best sweep point) under ``--out``; the per-window
@@ -73,7 +75,16 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "wcap": ("warmup_cap",),
     "wpeak": ("warmup_peak",),
     "nohold": ("no_warmup_hold",),
+    "wline": ("wide_line",),
+    "narrow": (),
+    "offn": (),
 }
+#: Variants whose arms also train with another LR spread (``--spread`` / ``--hdet-spread``): the
+#: line scored wider than the arms train (``wline``), the narrow spread alone (``narrow``: the
+#: line at the arms' own points) and with auto-LR off (``offn``: what the narrow spread costs).
+VARIANT_SPREADS: dict[str, float] = {"wline": 0.05, "narrow": 0.05, "offn": 0.05}
+#: Variants that train with auto-LR off (spread and converge only).
+VARIANTS_AUTO_OFF = frozenset({"offn"})
 #: How far a sweep may extend past its first five points looking for a bracketed best.
 MAX_EXTENSIONS = 3
 
@@ -195,6 +206,41 @@ TASKS: dict[str, Task] = {
             ),
         ),
         Task(
+            name="ddp-shortwu",
+            held_out=True,
+            path="torch",
+            center_lr=3e-3,
+            period=10,
+            steps=200,
+            warmup=20,
+            summary="byte-level GPT in plain torch, DDP, wider and shallower (added after 3i, for "
+            "the narrow spread with a wide line, frozen before any run of it): AdamW + OneCycleLR "
+            "with a 10% warm-up from LR/25 and a cosine decay to LR/1000, GPT 2x192, seq 64, 24 "
+            "sequences per rank, 20 windows of 10 steps, 15,360 tokens per arm per window",
+            options=dict(
+                width=192,
+                layers=2,
+                heads=6,
+                seq=64,
+                batch=24,
+                pct_start=0.1,
+                final_div_factor=40.0,
+            ),
+        ),
+        Task(
+            name="megatron-wide",
+            held_out=True,
+            path="megatron",
+            center_lr=2e-3,
+            period=10,
+            steps=150,
+            warmup=12,
+            summary="the Megatron example, wider and shallower (added after 3i with "
+            "ddp-shortwu): GPT 2x256, seq 128, global batch 24, 12-iteration warm-up, cosine "
+            "decay to LR/10, 15 windows of 10 iterations, 7,680 tokens per arm per window",
+            options=dict(layers=2, hidden=256, heads=8, seq=128, global_batch=24, micro_batch=6),
+        ),
+        Task(
             name="hsdp-cosine",
             held_out=True,
             path="torch",
@@ -235,6 +281,10 @@ class Run:
     """The LR as a multiple of the best sweep LR (None: the sweep's and Prodigy's rows)."""
     prototypes: tuple[str, ...] = ()
     """``proto`` rows: the controller prototypes of the variant."""
+    spread: float | None = None
+    """``proto`` rows: the LR spread the arms train with (None: the default)."""
+    auto: bool = True
+    """``proto`` rows: auto-LR on (False: spread and converge only)."""
 
 
 def fmt_factor(f: float) -> str:
@@ -253,7 +303,18 @@ def method_runs(best_lr: float, variants: Sequence[str] = (), fixed: bool = Fals
         runs += [Run(f"{group}-x{fmt_factor(g)}", group, best_lr * g, g) for g in GUESSES]
     runs.append(Run("prodigy", "prodigy", 1.0, None))
     for name in variants:
-        runs += [Run(f"{name}-x{fmt_factor(g)}", "proto", best_lr * g, g, VARIANTS[name]) for g in GUESSES]
+        runs += [
+            Run(
+                f"{name}-x{fmt_factor(g)}",
+                "proto",
+                best_lr * g,
+                g,
+                VARIANTS[name],
+                VARIANT_SPREADS.get(name),
+                name not in VARIANTS_AUTO_OFF,
+            )
+            for g in GUESSES
+        ]
     if fixed:
         runs += [Run(f"fixed-x{fmt_factor(g)}", "fixed", best_lr * g, g) for g in GUESSES]
     return runs
@@ -290,6 +351,10 @@ def command(task: Task, run: Run, seed: int, data_prefix: str, eval_iters: int) 
     if task.path == "torch":
         modes = {"sweep": "plain", "def": "hdet", "proto": "hdet", "off": "hdet-off", "fixed": "hdet-fixed"}
         mode = modes.get(run.group, run.group)  # sf, prodigy
+        if run.group == "proto" and not run.auto:
+            mode = "hdet-off"
+        if run.spread is not None:
+            sets.append(f"--spread={run.spread:g}")
         return [TORCH_WORKER, "--mode", mode, "--lr", f"{run.lr:.6g}", *torch_base(task, seed), *sets]
     base = megatron_base(task, seed, data_prefix, eval_iters)
     if run.group == "proto":  # the example with the variant's prototypes switched on (benchmark only)
@@ -301,6 +366,8 @@ def command(task: Task, run: Run, seed: int, data_prefix: str, eval_iters: int) 
             *quality.lr_flags(run.lr),
             "--hdet-period",
             str(task.period),
+            *([] if run.spread is None else ["--hdet-spread", f"{run.spread:g}"]),
+            *([] if run.auto else ["--no-hdet-auto"]),
         ]
     if run.group == "sweep":
         return [quality.SCRIPT, *base, *quality.lr_flags(run.lr), "--no-hdet"]

@@ -79,9 +79,15 @@ class LineFit:
         return out
 
 
-def line_points(multipliers: Sequence[float]) -> list[float]:
-    """The distinct multipliers of a window, ascending: where every replica evaluates the line."""
-    return sorted(set(float(m) for m in multipliers))
+def line_points(multipliers: Sequence[float], width: float | None = None) -> list[float]:
+    """The distinct multipliers of a window, ascending: where every replica evaluates the line.
+    ``width``: as many points instead, evenly spaced over ``[1 - width, 1 + width]`` (the line
+    is known beyond the arms, so it can be scored wider than they train)."""
+    distinct = sorted(set(float(m) for m in multipliers))
+    if width is None or len(distinct) < 2:
+        return distinct
+    n = len(distinct)
+    return [1.0 + width * (2.0 * k / (n - 1) - 1.0) for k in range(n)]
 
 
 def persistence(base_now: float, base_end: float) -> float:
@@ -158,7 +164,10 @@ def fit_line(
         raise ValueError(f"kappa={kappa!r} must be in [0, 1]")
     finite = [(p, v) for p, v in zip(points, losses, strict=True) if math.isfinite(v)]
     own = {p: v for p, v in zip(points, losses, strict=True)}
-    bad = [not math.isfinite(own.get(float(m), math.nan)) for m in arm_multipliers]
+    # An arm off the points (a line scored wider than the arms train) has no point of its own:
+    # a non-finite point far out says the line blows up there, not that the arm did (the window
+    # engine excludes an arm whose own parameters are not finite).
+    bad = [not math.isfinite(own.get(float(m), 0.0)) for m in arm_multipliers]
     if len(finite) < 3:
         level = min((v for _, v in finite), default=0.0)
         pseudo = [math.inf if b else level for b in bad]

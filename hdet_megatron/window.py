@@ -385,7 +385,8 @@ class WindowEngine:
         if line_search is None:
             probe = self._score(batch)
         else:
-            points = line_points(arm_values["lr"])
+            wide = "wide_line" in controller_module.PROTOTYPES
+            points = line_points(arm_values["lr"], controller_module.WIDE_LINE_WIDTH if wide else None)
             rho = arm_values["lr"][self.adapter.arm]
             losses = line_search.evaluate(points, rho, self.adapter.refresh, lambda: self._score(batch))
         fingerprint = None

@@ -238,3 +238,25 @@ def test_no_warmup_hold_switches_the_default_hold_off(prototypes):
     assert final_scale() == pytest.approx(1.6)  # held after the first update
     prototypes.add("no_warmup_hold")
     assert final_scale() == pytest.approx(1.6**3)
+
+
+def test_wide_line_scores_the_line_wider_than_the_arms_train(prototypes):
+    from hdet_megatron.line_signal import line_points
+
+    narrow = [0.95, 0.95 + 0.1 / 3, 1.05 - 0.1 / 3, 1.05]  # a training spread of 0.05
+    assert line_points(narrow) == sorted(narrow)  # the arms' own points by default
+    wide = line_points(narrow, controller.WIDE_LINE_WIDTH)
+    assert wide == pytest.approx(RHO, abs=1e-15)  # the default spread's points, 4 arms
+    assert line_points([1.0, 1.0], 0.3) == [1.0]  # one distinct multiplier: nothing to spread
+    # The same line (minimum at 1.2) gives the same step whether the arms sit on its points or
+    # train narrowly inside them: the quadratic through the pseudo-losses is the line's own.
+    rows = [[(p - 1.2) ** 2 for p in RHO]] * 4
+    on_points = fit_line(RHO, rows[0], RHO, 1.0, rows)
+    inside = fit_line(wide, rows[0], narrow, 1.0, rows)
+    step_on = _controller().update(on_points.pseudo_losses, {"lr": RHO}, step=10, line=on_points)
+    step_in = _controller().update(inside.pseudo_losses, {"lr": narrow}, step=10, line=inside)
+    assert step_in.raw_deltas["lr"] == pytest.approx(step_on.raw_deltas["lr"]) == pytest.approx(math.log(1.2))
+    # A non-finite point far out (the line blows up at 1.3x): fitted without it, every arm kept.
+    losses = [(p - 1.2) ** 2 for p in RHO[:3]] + [math.inf]
+    fit = fit_line(wide, losses, narrow, 1.0)
+    assert all(math.isfinite(x) for x in fit.pseudo_losses) and fit.curvature == pytest.approx(2.0)

@@ -16,9 +16,11 @@ import generalize as g  # noqa: E402
 def test_four_tasks_two_tuning_two_held_out_on_three_paths():
     assert sorted(t.name for t in g.TASKS.values() if not t.held_out) == ["megatron-8x", "onecycle-ddp"]
     assert sorted(t.name for t in g.TASKS.values() if t.held_out) == [
+        "ddp-shortwu",
         "hsdp-cosine",
         "hsdp-longwu",
         "megatron-longwu",
+        "megatron-wide",
         "megatron-wsd",
     ]
     assert {t.path for t in g.TASKS.values()} == {"megatron", "torch"}
@@ -33,7 +35,9 @@ def test_default_tasks_are_the_tuning_tasks():
     assert args.tasks == ["megatron-8x", "onecycle-ddp"] and args.seeds == [1234]
 
 
-@pytest.mark.parametrize("task", ["megatron-wsd", "hsdp-cosine", "megatron-longwu", "hsdp-longwu"])
+@pytest.mark.parametrize(
+    "task", ["megatron-wsd", "hsdp-cosine", "megatron-longwu", "hsdp-longwu", "ddp-shortwu", "megatron-wide"]
+)
 def test_held_out_tasks_are_refused_without_the_flag(task, capsys):
     with pytest.raises(SystemExit):
         g.parse_args(["--tasks", "onecycle-ddp", task])
@@ -134,6 +138,22 @@ def test_prototype_rows_switch_the_prototypes_on_in_the_launchers():
     meg = g.command(g.TASKS["megatron-8x"], runs[1], 1, "P", 20)
     assert meg[:4] == [g.MEGATRON_LAUNCHER, *on, "--"] and meg[meg.index("--hdet-period") + 1] == "10"
     assert set(g.VARIANTS["lagjk"]) <= g_controller_known()
+
+
+def test_variant_rows_may_train_with_another_spread_or_auto_off():
+    wline, offn = (
+        next(r for r in g.method_runs(2e-3, [name]) if r.row == f"{name}-x1") for name in ("wline", "offn")
+    )
+    assert (wline.spread, wline.auto, offn.spread, offn.auto) == (0.05, True, 0.05, False)
+    torch_cmd = g.command(g.TASKS["onecycle-ddp"], wline, 1, "", 20)
+    assert torch_cmd[torch_cmd.index("--mode") + 1] == "hdet"
+    assert torch_cmd[-2:] == ["--prototype=wide_line", "--spread=0.05"]
+    off_cmd = g.command(g.TASKS["onecycle-ddp"], offn, 1, "", 20)
+    assert off_cmd[off_cmd.index("--mode") + 1] == "hdet-off" and off_cmd[-1] == "--spread=0.05"
+    meg = g.command(g.TASKS["megatron-8x"], offn, 1, "P", 20)
+    assert meg[meg.index("--hdet-spread") + 1] == "0.05" and meg[-1] == "--no-hdet-auto"
+    plain = next(r for r in g.method_runs(2e-3, ["lagjk"]) if r.group == "proto")
+    assert "--hdet-spread" not in g.command(g.TASKS["megatron-8x"], plain, 1, "P", 20)
 
 
 def g_controller_known() -> set[str]:
