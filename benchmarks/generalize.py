@@ -357,18 +357,14 @@ def command(task: Task, run: Run, seed: int, data_prefix: str, eval_iters: int) 
             sets.append(f"--spread={run.spread:g}")
         return [TORCH_WORKER, "--mode", mode, "--lr", f"{run.lr:.6g}", *torch_base(task, seed), *sets]
     base = megatron_base(task, seed, data_prefix, eval_iters)
-    if run.group == "proto":  # the example with the variant's prototypes switched on (benchmark only)
-        return [
-            MEGATRON_LAUNCHER,
-            *sets,
-            "--",
-            *base,
-            *quality.lr_flags(run.lr),
-            "--hdet-period",
-            str(task.period),
-            *([] if run.spread is None else ["--hdet-spread", f"{run.spread:g}"]),
-            *([] if run.auto else ["--no-hdet-auto"]),
-        ]
+    if run.group == "proto":
+        flags = [*quality.lr_flags(run.lr), "--hdet-period", str(task.period)]
+        flags += [] if run.spread is None else ["--hdet-spread", f"{run.spread:g}"]
+        flags += [] if run.auto else ["--no-hdet-auto"]
+        if not run.prototypes:  # another spread only: the example itself
+            return [quality.SCRIPT, *base, *flags]
+        # The example with the variant's prototypes switched on (benchmark only).
+        return [MEGATRON_LAUNCHER, *sets, "--", *base, *flags]
     if run.group == "sweep":
         return [quality.SCRIPT, *base, *quality.lr_flags(run.lr), "--no-hdet"]
     if run.group in ("def", "off"):
