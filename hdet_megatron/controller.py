@@ -124,7 +124,8 @@ PROTOTYPES: set[str] = set()
 #:   spread: with ``grad_sync="global"`` every replica rebuilds any point of the line from its own
 #:   parameters, so the arms may train close together (a narrow spread, which costs little
 #:   where the widest arm would sit past the edge of stability) while the line still compares
-#:   multipliers as far apart as the default spread's.
+#:   multipliers as far apart as the default spread's. Measured (BENCHMARKS 3j): no worse than
+#:   the defaults, not a clear gain on the held-out tasks; not adopted.
 KNOWN_PROTOTYPES = frozenset(
     {
         "average_lag",
