@@ -58,33 +58,45 @@ MEGATRON_LAUNCHER = os.path.join(ROOT, "benchmarks", "gen_megatron.py")
 GUESSES = (0.25, 1.0, 4.0)
 #: The first sweep: centre * 2**k, k = -2..2.
 SWEEP_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
-#: Controller prototypes (``--variants``): ``hdet_megatron.controller.PROTOTYPES`` switched on over
-#: the defaults, measured as rows ``{name}-x{g}`` at the same guesses (on the tuning tasks only).
-VARIANTS: dict[str, tuple[str, ...]] = {
-    "lag": ("average_lag",),
-    "jk": ("jackknife_unclipped",),
-    "lagjk": ("average_lag", "jackknife_unclipped"),
-    "mlag": ("measured_lag",),
-    "holdwu": ("hold_warmup",),
-    "holdwu0": ("hold_warmup", "no_momentum"),
-    "sgate": ("slope_gate",),
-    "sguard": ("slope_guard",),
-    "sgg": ("slope_gate", "slope_guard"),
-    "hsgg": ("hold_warmup", "slope_gate", "slope_guard"),
-    "hlag": ("half_lag",),
-    "wcap": ("warmup_cap",),
-    "wpeak": ("warmup_peak",),
-    "nohold": ("no_warmup_hold",),
-    "wline": ("wide_line",),
-    "narrow": (),
-    "offn": (),
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One ``--variants`` entry: what its rows change over the defaults."""
+
+    prototypes: tuple[str, ...] = ()
+    """``hdet_megatron.controller.PROTOTYPES`` switched on."""
+    spread: float | None = None
+    """The LR spread the arms train with (``--spread`` / ``--hdet-spread``; None: the default)."""
+    auto: bool = True
+    """Auto-LR on (False: spread and converge only)."""
+
+
+#: ``wline``/``narrow``/``offn``: the narrow training spread (3j).
+NARROW_SPREAD = 0.05
+#: Controller prototypes and spreads (``--variants``) over the defaults, measured as rows
+#: ``{name}-x{g}`` at the same guesses (on the tuning tasks only). ``wline``: the line scored
+#: wider than the arms train; ``narrow``: the narrow spread alone (the line at the arms' own
+#: points); ``offn``: the narrow spread with auto-LR off (what it costs).
+VARIANTS: dict[str, Variant] = {
+    "lag": Variant(("average_lag",)),
+    "jk": Variant(("jackknife_unclipped",)),
+    "lagjk": Variant(("average_lag", "jackknife_unclipped")),
+    "mlag": Variant(("measured_lag",)),
+    "holdwu": Variant(("hold_warmup",)),
+    "holdwu0": Variant(("hold_warmup", "no_momentum")),
+    "sgate": Variant(("slope_gate",)),
+    "sguard": Variant(("slope_guard",)),
+    "sgg": Variant(("slope_gate", "slope_guard")),
+    "hsgg": Variant(("hold_warmup", "slope_gate", "slope_guard")),
+    "hlag": Variant(("half_lag",)),
+    "wcap": Variant(("warmup_cap",)),
+    "wpeak": Variant(("warmup_peak",)),
+    "nohold": Variant(("no_warmup_hold",)),
+    "wline": Variant(("wide_line",), NARROW_SPREAD),
+    "narrow": Variant(spread=NARROW_SPREAD),
+    "offn": Variant(spread=NARROW_SPREAD, auto=False),
 }
-#: Variants whose arms also train with another LR spread (``--spread`` / ``--hdet-spread``): the
-#: line scored wider than the arms train (``wline``), the narrow spread alone (``narrow``: the
-#: line at the arms' own points) and with auto-LR off (``offn``: what the narrow spread costs).
-VARIANT_SPREADS: dict[str, float] = {"wline": 0.05, "narrow": 0.05, "offn": 0.05}
-#: Variants that train with auto-LR off (spread and converge only).
-VARIANTS_AUTO_OFF = frozenset({"offn"})
 #: How far a sweep may extend past its first five points looking for a bracketed best.
 MAX_EXTENSIONS = 3
 
@@ -279,12 +291,8 @@ class Run:
     lr: float
     guess: float | None
     """The LR as a multiple of the best sweep LR (None: the sweep's and Prodigy's rows)."""
-    prototypes: tuple[str, ...] = ()
-    """``proto`` rows: the controller prototypes of the variant."""
-    spread: float | None = None
-    """``proto`` rows: the LR spread the arms train with (None: the default)."""
-    auto: bool = True
-    """``proto`` rows: auto-LR on (False: spread and converge only)."""
+    variant: Variant = Variant()
+    """``proto`` rows: what the variant changes (the defaults for every other row)."""
 
 
 def fmt_factor(f: float) -> str:
@@ -303,18 +311,7 @@ def method_runs(best_lr: float, variants: Sequence[str] = (), fixed: bool = Fals
         runs += [Run(f"{group}-x{fmt_factor(g)}", group, best_lr * g, g) for g in GUESSES]
     runs.append(Run("prodigy", "prodigy", 1.0, None))
     for name in variants:
-        runs += [
-            Run(
-                f"{name}-x{fmt_factor(g)}",
-                "proto",
-                best_lr * g,
-                g,
-                VARIANTS[name],
-                VARIANT_SPREADS.get(name),
-                name not in VARIANTS_AUTO_OFF,
-            )
-            for g in GUESSES
-        ]
+        runs += [Run(f"{name}-x{fmt_factor(g)}", "proto", best_lr * g, g, VARIANTS[name]) for g in GUESSES]
     if fixed:
         runs += [Run(f"fixed-x{fmt_factor(g)}", "fixed", best_lr * g, g) for g in GUESSES]
     return runs
@@ -347,21 +344,22 @@ def torch_base(task: Task, seed: int) -> list[str]:
 
 def command(task: Task, run: Run, seed: int, data_prefix: str, eval_iters: int) -> list[str]:
     """The torchrun arguments (after ``--nproc-per-node``) of one run, without ``--run-dir``."""
-    sets = [f"--prototype={name}" for name in run.prototypes]
+    variant = run.variant
+    sets = [f"--prototype={name}" for name in variant.prototypes]
     if task.path == "torch":
         modes = {"sweep": "plain", "def": "hdet", "proto": "hdet", "off": "hdet-off", "fixed": "hdet-fixed"}
         mode = modes.get(run.group, run.group)  # sf, prodigy
-        if run.group == "proto" and not run.auto:
+        if not variant.auto:
             mode = "hdet-off"
-        if run.spread is not None:
-            sets.append(f"--spread={run.spread:g}")
+        if variant.spread is not None:
+            sets.append(f"--spread={variant.spread:g}")
         return [TORCH_WORKER, "--mode", mode, "--lr", f"{run.lr:.6g}", *torch_base(task, seed), *sets]
     base = megatron_base(task, seed, data_prefix, eval_iters)
     if run.group == "proto":
         flags = [*quality.lr_flags(run.lr), "--hdet-period", str(task.period)]
-        flags += [] if run.spread is None else ["--hdet-spread", f"{run.spread:g}"]
-        flags += [] if run.auto else ["--no-hdet-auto"]
-        if not run.prototypes:  # another spread only: the example itself
+        flags += [] if variant.spread is None else ["--hdet-spread", f"{variant.spread:g}"]
+        flags += [] if variant.auto else ["--no-hdet-auto"]
+        if not variant.prototypes:  # another spread only: the example itself
             return [quality.SCRIPT, *base, *flags]
         # The example with the variant's prototypes switched on (benchmark only).
         return [MEGATRON_LAUNCHER, *sets, "--", *base, *flags]

@@ -137,14 +137,15 @@ def test_prototype_rows_switch_the_prototypes_on_in_the_launchers():
     assert torch_cmd[torch_cmd.index("--mode") + 1] == "hdet" and torch_cmd[-2:] == on
     meg = g.command(g.TASKS["megatron-8x"], runs[1], 1, "P", 20)
     assert meg[:4] == [g.MEGATRON_LAUNCHER, *on, "--"] and meg[meg.index("--hdet-period") + 1] == "10"
-    assert set(g.VARIANTS["lagjk"]) <= g_controller_known()
+    assert set(g.VARIANTS["lagjk"].prototypes) <= g_controller_known()
 
 
 def test_variant_rows_may_train_with_another_spread_or_auto_off():
     wline, offn = (
         next(r for r in g.method_runs(2e-3, [name]) if r.row == f"{name}-x1") for name in ("wline", "offn")
     )
-    assert (wline.spread, wline.auto, offn.spread, offn.auto) == (0.05, True, 0.05, False)
+    assert (wline.variant.spread, wline.variant.auto) == (0.05, True)
+    assert (offn.variant.spread, offn.variant.auto) == (0.05, False)
     torch_cmd = g.command(g.TASKS["onecycle-ddp"], wline, 1, "", 20)
     assert torch_cmd[torch_cmd.index("--mode") + 1] == "hdet"
     assert torch_cmd[-2:] == ["--prototype=wide_line", "--spread=0.05"]
