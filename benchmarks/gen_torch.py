@@ -142,7 +142,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--spread",
         type=float,
         default=None,
-        help="HDET modes: the LR axis's spread (default: HDETConfig's, 0.3 with the line signal)",
+        help="HDET modes: the LR axis's spread (default: HDETConfig's, 0.3 with auto-LR on, else 1/9)",
     )
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--run-dir", required=True)

@@ -9,10 +9,10 @@ flags::
     config = hdet_config_from_args(args)   # None with --no-hdet
 
 Flags: ``--no-hdet``, ``--hdet-period``, ``--hdet-arms``, ``--hdet-grad-sync``,
-``--hdet-axis NAME:SPREAD[:MIN:MAX]`` (repeatable; default ``lr:0.1111``), ``--hdet-spread``
-(shorthand for the LR axis' spread), ``--hdet-spread-kind``, ``--hdet-auto/--no-hdet-auto``,
-``--hdet-auto-start``, ``--hdet-temperature`` (float or ``auto``), ``--hdet-meta-lr``,
-``--hdet-momentum``, ``--hdet-scale-bounds MIN MAX``, ``--hdet-rule``, ``--hdet-seed``,
+``--hdet-axis NAME:SPREAD[:MIN:MAX]`` (repeatable; default ``lr`` at 0.3 with auto-LR on a line
+signal, else 1/9), ``--hdet-spread`` (shorthand for the LR axis' spread), ``--hdet-spread-kind``,
+``--hdet-auto/--no-hdet-auto``, ``--hdet-auto-start``, ``--hdet-temperature`` (float or ``auto``),
+``--hdet-meta-lr``, ``--hdet-momentum``, ``--hdet-scale-bounds MIN MAX``, ``--hdet-rule``, ``--hdet-seed``,
 ``--hdet-bucket-mb``, ``--no-hdet-home-main-params``, ``--hdet-converge-on-save/--no-hdet-converge-on-save``,
 ``--hdet-nonfinite``, ``--hdet-rollback``, ``--hdet-signal``, ``--hdet-start-scale``,
 ``--hdet-brake/--no-hdet-brake``, ``--hdet-brake-factor``, ``--hdet-brake-spike``,
@@ -78,15 +78,15 @@ def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="NAME:SPREAD[:MIN:MAX]",
         help="explored hyperparameter (repeatable): lr, lr:<group>, weight_decay, "
-        "dropout, attention_temperature; default: lr with the measured spread (0.3 with a "
-        "line signal, else 1/9)",
+        "dropout, attention_temperature; default: lr with the measured spread (0.3 with auto-LR "
+        "on a line signal, else 1/9)",
     )
     g.add_argument(
         "--hdet-spread",
         type=number(),
         default=None,
         help="spread of the LR axis (shorthand when no --hdet-axis is given; default: 0.3 "
-        "with a line signal, else 1/9)",
+        "with auto-LR on a line signal, else 1/9)",
     )
     g.add_argument(
         "--hdet-spread-kind",

@@ -130,7 +130,8 @@ class HDETConfig:
     ``arm``: only inside an arm during fan-out (local-SGD style, less DP traffic)."""
     axes: tuple[Axis, ...] | None = None
     """Explored hyperparameters, each with its own spread and per-window permutation. None: one
-    ``lr`` axis with the measured spread (0.3 with a line signal, the paper's 1/9 otherwise)."""
+    ``lr`` axis with the measured spread (0.3 with auto-LR on a line signal, the paper's 1/9
+    otherwise: with auto-LR off there is no line to fit, and the wide spread costs at a good LR)."""
     auto: bool = True
     """Run the auto controller (moves each axis' shared base toward the better arms)."""
     auto_start: int = 0
@@ -381,7 +382,10 @@ class HDETConfig:
         if rule == "auto":
             rule = "newton" if line and num_arms >= 3 else "relative"
         newton = rule == "newton"
-        axes = self.axes if self.axes is not None else (Axis("lr", LINE_SPREAD if line else PAPER_SPREAD),)
+        # The wide spread is there for the line's fit; with auto-LR off nothing fits a line, and at
+        # an LR near the edge of stability the arm at 1.3x costs 3-11% (BENCHMARKS.md 3j, 3k).
+        wide = line and self.auto
+        axes = self.axes if self.axes is not None else (Axis("lr", LINE_SPREAD if wide else PAPER_SPREAD),)
         start = self.start_scale
         if start is None:
             start = SLOW_START_SCALE if self.auto and line and newton and num_arms >= 3 else 1.0
@@ -398,7 +402,7 @@ class HDETConfig:
         if self.rule == "auto":
             chosen.append(f"rule {rule!r}")
         if self.axes is None:
-            chosen.append(f"LR spread {axes[0].spread:.3g}")
+            chosen.append(f"LR spread {axes[0].spread:.3g}" + ("" if self.auto else " (auto-LR off)"))
         if self.start_scale is None and self.auto:
             chosen.append(
                 f"slow start at {start:g}x the given LR"

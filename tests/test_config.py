@@ -48,8 +48,12 @@ def test_defaults_resolve_to_the_measured_defaults():
     c = mine.resolve(True, 4).config
     assert (c.signal, c.rule, c.meta_lr, c.momentum, c.start_scale) == ("line", "newton", 0.7, 0.5, 0.5)
     assert c.resolve(False, 4).config is c and c.resolve(False, 4).note == ""
-    # Auto off: the scale stays at the user's LR (no slow start without a controller).
-    assert HDETConfig(auto=False).resolve(True, 4).config.start_scale == 1.0
+    # Auto off: the scale stays at the user's LR (no slow start without a controller), and the
+    # arms keep the paper's narrow spread (no line to fit; the wide one costs at a good LR).
+    off = HDETConfig(auto=False).resolve(True, 4)
+    assert off.config.start_scale == 1.0 and off.config.axes == (Axis("lr", 1 / 9),)
+    assert "LR spread 0.111 (auto-LR off)" in off.note
+    assert HDETConfig(auto=False, axes=(Axis("lr", 0.3),)).resolve(True, 4).config.axes == (Axis("lr", 0.3),)
 
 
 def test_short_runs_are_told_the_slow_start_needs_windows():
