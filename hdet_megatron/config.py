@@ -398,18 +398,20 @@ class HDETConfig:
             momentum=self.momentum if self.momentum is not None else (0.5 if newton else 0.9),
             start_scale=start,
         )
-        chosen = [why] if why else []
-        if self.rule == "auto":
+        # With auto-LR off the signal and the rule never run: only the spread is worth a line.
+        chosen = [why] if why and self.auto else []
+        if self.rule == "auto" and self.auto:
             chosen.append(f"rule {rule!r}")
         if self.axes is None:
-            chosen.append(f"LR spread {axes[0].spread:.3g}" + ("" if self.auto else " (auto-LR off)"))
+            chosen.append(f"LR spread {axes[0].spread:.3g}")
         if self.start_scale is None and self.auto:
             chosen.append(
                 f"slow start at {start:g}x the given LR"
                 if start != 1
                 else "start at the given LR (no slow start without a line signal)"
             )
-        note = "HDET auto-LR defaults: " + "; ".join(chosen) if chosen else ""
+        head = "HDET auto-LR defaults: " if self.auto else "HDET defaults (auto-LR off): "
+        note = head + "; ".join(chosen) if chosen else ""
         # The resolved config carries its note, so whoever builds the runtime from it (the
         # example resolves before it builds the scheduler) logs it.
         return Resolution(replace(config, resolution_note=note), note)

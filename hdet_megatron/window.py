@@ -80,10 +80,15 @@ def startup_notice(config: HDETConfig, note: str = "", probe_given: bool = True)
     ``config`` is resolved; ``note`` is :meth:`HDETConfig.resolve`'s (why the defaults were
     chosen; empty when the caller resolved the config itself). A warning when auto-LR starts
     below the given LR (the slow start) or runs without a probe."""
-    if not config.auto:
-        if probe_given and config.signal in PROBE_SIGNALS:
-            return "HDET auto-LR is off: the probe is not run (nothing would read it)", False
-        return "", False
+    if not config.auto:  # the note (if any) says auto-LR is off and names the spread it chose
+        idle = (
+            "the probe is not run (nothing would read it)"
+            if probe_given and config.signal in PROBE_SIGNALS
+            else ""
+        )
+        if note:
+            return note + (f"; {idle}" if idle else ""), False
+        return (f"HDET auto-LR is off: {idle}" if idle else ""), False
     if note:  # the resolution's note names what it chose and why
         parts = [note]
     else:

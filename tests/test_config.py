@@ -52,7 +52,7 @@ def test_defaults_resolve_to_the_measured_defaults():
     # arms keep the paper's narrow spread (no line to fit; the wide one costs at a good LR).
     off = HDETConfig(auto=False).resolve(True, 4)
     assert off.config.start_scale == 1.0 and off.config.axes == (Axis("lr", 1 / 9),)
-    assert "LR spread 0.111 (auto-LR off)" in off.note
+    assert off.note == "HDET defaults (auto-LR off): LR spread 0.111"
     assert HDETConfig(auto=False, axes=(Axis("lr", 0.3),)).resolve(True, 4).config.axes == (Axis("lr", 0.3),)
 
 

@@ -72,9 +72,14 @@ def test_the_startup_notice_says_the_slow_start_and_how_to_switch_it_off():
     at_lr = HDETConfig(period=10, start_scale=1.0).resolve(True, 4)
     line, warn = startup_notice(at_lr.config, at_lr.note)
     assert not warn and "starts" not in line
-    off = HDETConfig(period=10, auto=False).resolve(True, 4).config
-    assert startup_notice(off) == ("HDET auto-LR is off: the probe is not run (nothing would read it)", False)
-    assert startup_notice(off, probe_given=False) == ("", False)
+    off = HDETConfig(period=10, auto=False).resolve(True, 4)
+    idle = "the probe is not run (nothing would read it)"
+    assert startup_notice(off.config) == (f"HDET auto-LR is off: {idle}", False)
+    assert startup_notice(off.config, probe_given=False) == ("", False)
+    # The spread it chose is named (not the signal or rule: they never run).
+    said = "HDET defaults (auto-LR off): LR spread 0.111"
+    assert startup_notice(off.config, off.note, probe_given=False) == (said, False)
+    assert startup_notice(off.config, off.note) == (f"{said}; {idle}", False)
     # Auto-LR without a probe: the paper's train signal, said as a warning.
     bare = HDETConfig(period=10).resolve(False, 4)
     line, warn = startup_notice(bare.config, bare.note, probe_given=False)
