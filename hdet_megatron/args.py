@@ -17,7 +17,7 @@ signal, else 1/9), ``--hdet-spread`` (shorthand for the LR axis' spread), ``--hd
 ``--hdet-nonfinite``, ``--hdet-rollback``, ``--hdet-signal``, ``--hdet-start-scale``,
 ``--hdet-brake/--no-hdet-brake``, ``--hdet-brake-factor``, ``--hdet-brake-spike``,
 ``--hdet-brake-rise``, ``--hdet-brake-hold``, ``--hdet-noise-aware/--no-hdet-noise-aware``,
-``--hdet-warmup-hold/--no-hdet-warmup-hold``.
+``--hdet-warmup-hold/--no-hdet-warmup-hold``, ``--hdet-line-width``.
 Flags left at ``auto`` (signal, rule) or unset (spread, meta LR, momentum, start scale) take the
 measured defaults when the run starts (:meth:`HDETConfig.resolve`).
 """
@@ -194,6 +194,13 @@ def add_hdet_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "on a line signal, else 1)",
     )
     g.add_argument(
+        "--hdet-line-width",
+        type=number(),
+        default=None,
+        help="line signals: score the window's line at evenly spaced multipliers over 1 +- W "
+        "instead of at the arms' own (default); e.g. --hdet-spread 0.05 --hdet-line-width 0.3",
+    )
+    g.add_argument(
         "--hdet-brake",
         dest="hdet_brake",
         action="store_true",
@@ -258,6 +265,7 @@ HDET_FLAGS: dict[str, str] = {
     "nonfinite": "--hdet-nonfinite",
     "signal": "--hdet-signal",
     "start_scale": "--hdet-start-scale",
+    "line_width": "--hdet-line-width",
     "brake_factor": "--hdet-brake-factor",
     "brake_spike": "--hdet-brake-spike",
     "brake_rise": "--hdet-brake-rise",
@@ -343,4 +351,5 @@ def _config(args: argparse.Namespace, axes: tuple[Axis, ...] | None) -> HDETConf
         brake_hold=getattr(args, "hdet_brake_hold", _DEFAULT.brake_hold),
         noise_aware=getattr(args, "hdet_noise_aware", _DEFAULT.noise_aware),
         warmup_hold=getattr(args, "hdet_warmup_hold", _DEFAULT.warmup_hold),
+        line_width=getattr(args, "hdet_line_width", None),
     )

@@ -219,6 +219,14 @@ class HDETConfig:
     LRs the schedule keeps low on purpose, and a rise compounds with the warm-up's own. Acts
     only in windows that end inside a warm-up, so a warm-up shorter than one window is
     untouched (BENCHMARKS.md 3h)."""
+    line_width: float | None = None
+    """Line signals: score the window's line at as many evenly spaced multipliers as the arms have
+    distinct ones, over ``[1 - line_width, 1 + line_width]``, instead of at the arms' own (None,
+    the default). With ``grad_sync="global"`` the arms lie on one line and every replica rebuilds
+    any point of it from its own parameters, so the line may be scored wider than the arms
+    train: with ``axes=(Axis("lr", 0.05),)`` and ``line_width=0.3`` no arm trains at 1.3x the LR
+    (past the edge of stability near a good LR) while the fit still compares 0.7..1.3. Measured,
+    not the default (BENCHMARKS.md 3l)."""
     resolution_note: str = field(default="", compare=False, repr=False)
     """Set by :meth:`resolve`: which defaults it chose and why (the run logs it once at start).
     Not a setting: not compared, not checkpointed."""
@@ -335,6 +343,12 @@ class HDETConfig:
             raise bad("noise_aware", self.noise_aware, "must be True or False")
         if not isinstance(self.warmup_hold, bool):
             raise bad("warmup_hold", self.warmup_hold, "must be True or False")
+        if self.line_width is not None:
+            if not _number(self.line_width) or not 0.0 < self.line_width < 1.0:
+                raise bad("line_width", self.line_width, "must be in (0, 1) (the points stay positive)")
+            if self.signal not in ("auto",) + LINE_SIGNALS:
+                why = f"only a line signal scores a line, not {self.signal!r}"
+                raise bad("line_width", self.line_width, why)
 
     def axis(self, name: str) -> Axis | None:
         """The axis called ``name``, or None."""
@@ -386,6 +400,7 @@ class HDETConfig:
         # an LR near the edge of stability the arm at 1.3x costs 3-11% (BENCHMARKS.md 3j, 3k).
         wide = line and self.auto
         axes = self.axes if self.axes is not None else (Axis("lr", LINE_SPREAD if wide else PAPER_SPREAD),)
+        width = self.line_width if line else None  # no line signal, no line to score
         start = self.start_scale
         if start is None:
             start = SLOW_START_SCALE if self.auto and line and newton and num_arms >= 3 else 1.0
@@ -397,6 +412,7 @@ class HDETConfig:
             meta_lr=self.meta_lr if self.meta_lr is not None else (1.0 if newton else 0.5),
             momentum=self.momentum if self.momentum is not None else (0.5 if newton else 0.9),
             start_scale=start,
+            line_width=width,
         )
         # With auto-LR off the signal and the rule never run: only the spread is worth a line.
         chosen = [why] if why and self.auto else []

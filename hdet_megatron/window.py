@@ -93,7 +93,8 @@ def startup_notice(config: HDETConfig, note: str = "", probe_given: bool = True)
         parts = [note]
     else:
         axes = ", ".join(f"{a.name} spread {a.spread:.3g}" for a in config.resolved_axes)
-        parts = [f"HDET auto-LR: signal {config.signal!r}, rule {config.rule!r}, {axes}"]
+        width = f", line scored at 1 +- {config.line_width:g}" if config.line_width is not None else ""
+        parts = [f"HDET auto-LR: signal {config.signal!r}, rule {config.rule!r}, {axes}{width}"]
     start = config.start_scale if config.start_scale is not None else 1.0
     slow = start < 1
     if slow:
@@ -390,8 +391,10 @@ class WindowEngine:
         if line_search is None:
             probe = self._score(batch)
         else:
-            wide = "wide_line" in controller_module.PROTOTYPES
-            points = line_points(arm_values["lr"], controller_module.WIDE_LINE_WIDTH if wide else None)
+            width = self.config.line_width
+            if width is None and "wide_line" in controller_module.PROTOTYPES:  # benchmark rows of 3j
+                width = controller_module.WIDE_LINE_WIDTH
+            points = line_points(arm_values["lr"], width)
             rho = arm_values["lr"][self.adapter.arm]
             losses = line_search.evaluate(points, rho, self.adapter.refresh, lambda: self._score(batch))
         fingerprint = None

@@ -123,6 +123,7 @@ def test_flags_defaults_and_every_field():
         rollback=True,
     )
     assert _parse(["--hdet-spread", "0.3"]).axes == (Axis("lr", 0.3),)
+    assert _parse(["--hdet-line-width", "0.2"]) == HDETConfig(line_width=0.2)
 
 
 @pytest.mark.parametrize(
@@ -136,6 +137,8 @@ def test_flags_defaults_and_every_field():
         (["--hdet-period", "0"], "HDETConfig.period"),
         (["--hdet-temperature", "-1"], "HDETConfig.temperature"),
         (["--hdet-axis", "lr:1.5"], "multiplier <= 0"),
+        (["--hdet-line-width", "1"], "--hdet-line-width: HDETConfig.line_width=1.0"),
+        (["--hdet-line-width", "0.3", "--hdet-signal", "train"], "only a line signal"),
     ],
 )
 def test_bad_flags_name_the_problem(argv, needle):

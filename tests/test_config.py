@@ -37,6 +37,11 @@ def test_defaults_resolve_to_the_measured_defaults():
     assert c.signal == "average" and c.rule == "newton" and c.axes == (Axis("lr", 0.3),)
     assert (c.meta_lr, c.momentum, c.start_scale) == (1.0, 0.5, 0.25)
     assert "slow start at 0.25x" in best.note
+    # The line is scored at the arms' own multipliers unless a width is given (opt-in, 3l).
+    assert c.line_width is None
+    narrow = HDETConfig(axes=(Axis("lr", 0.05),), line_width=0.3).resolve(True, 4).config
+    assert narrow.axes == (Axis("lr", 0.05),) and narrow.line_width == 0.3 and narrow.signal == "average"
+    assert HDETConfig(line_width=0.4).resolve(False, 4).config.line_width is None  # no line signal
     # Fewer than 3 arms, arm-local gradients or other axes: no line, so the paper's defaults.
     assert config.resolve(True, 2).config.signal == "train"
     assert "3 arms" in config.resolve(True, 2).note
@@ -135,6 +140,11 @@ def test_old_fingerprints_resume_without_the_guards():
         ({"converge_on_save": "yes"}, r"HDETConfig\.converge_on_save='yes'"),
         ({"rollback": None}, r"HDETConfig\.rollback=None"),
         ({"axes": ["lr"]}, r"HDETConfig\.axes"),
+        ({"line_width": 0.0}, r"HDETConfig\.line_width=0\.0.*\(0, 1\)"),
+        ({"line_width": 1.0}, r"HDETConfig\.line_width=1\.0"),
+        ({"line_width": float("nan")}, r"HDETConfig\.line_width=nan"),
+        ({"line_width": "wide"}, r"HDETConfig\.line_width='wide'"),
+        ({"line_width": 0.3, "signal": "train"}, r"HDETConfig\.line_width=0\.3: only a line signal"),
         # Axis errors name the axis and its field.
         ({"axes": (Axis("lr", 1.0),)}, r"Axis\('lr'\)\.spread=1\.0 >= 1"),
         ({"axes": (Axis("lr", 1.5),)}, r"Axis\('lr'\)\.spread=1\.5 >= 1"),

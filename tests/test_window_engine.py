@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from hdet_megatron.config import HDETConfig
+from hdet_megatron.config import Axis, HDETConfig
 from hdet_megatron.window import startup_notice
 from tests.harness import run_world
 from tests.window_pair_worker import PairRun, pair_world
@@ -24,6 +24,8 @@ def test_torch_and_megatron_runtimes_make_the_same_window_updates():
         PairRun(signal="train"),
         # Every arm non-finite in window 1 with rollback: the same restore and the same cut.
         PairRun(signal="average", config={"rollback": True}, nan_window=None, all_nan_window=1),
+        # A narrow spread with a wide line: arms at 0.95..1.05, the line scored at 0.7..1.3.
+        PairRun(signal="average", config={"axes": (Axis("lr", 0.05),), "line_width": 0.3}),
     ]
     results = run_world(4, pair_world, runs, timeout=300)
     for i, run in enumerate(runs):
@@ -51,6 +53,8 @@ def test_torch_and_megatron_runtimes_make_the_same_window_updates():
         assert any(u["moved"] and u["deltas"]["lr"] != 0.0 for u in updates), updates
         lines = [w["line"] for w in windows if not w["rolled_back"]]
         assert all(line is not None for line in lines) == (run.signal in ("line", "average"))
+        if "line_width" in run.config:  # scored wider than the arms train
+            assert all(line["points"] == pytest.approx([0.7, 0.9, 1.1, 1.3], abs=1e-12) for line in lines)
         # The averaged iterate's measured lag: the steady drift theta_t = theta0 - rho (t/T) D puts
         # it at (T + 1) / (2 T) of the end (a diverged arm's terms left out); "line" measures none.
         for line in (line for line in lines if line is not None):
@@ -66,7 +70,10 @@ def test_the_startup_notice_says_the_slow_start_and_how_to_switch_it_off():
     assert line.startswith("HDET auto-LR defaults: signal 'average'")
     # A config the caller resolved itself (no note): the settings are still named.
     line, warn = startup_notice(slow.config)
-    assert warn and line.startswith("HDET auto-LR: signal 'average', rule 'newton', lr spread 0.3")
+    assert warn and line.startswith("HDET auto-LR: signal 'average', rule 'newton', lr spread 0.3;")
+    wide = HDETConfig(period=10, axes=(Axis("lr", 0.05),), line_width=0.3).resolve(True, 4).config
+    said = "HDET auto-LR: signal 'average', rule 'newton', lr spread 0.05, line scored at 1 +- 0.3;"
+    assert startup_notice(wide)[0].startswith(said)
     assert "the LR starts 4x below the given LR (start_scale 0.25), climbing" in line
     # At the given LR: information, not a warning; auto off with a probe: the probe is idle.
     at_lr = HDETConfig(period=10, start_scale=1.0).resolve(True, 4)

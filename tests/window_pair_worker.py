@@ -86,7 +86,7 @@ def pair(rank: int, world: int, run: PairRun) -> dict:
 
     setup = toy.ToyGPTSetup(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32, seq_length=8)
     steps = run.period * run.windows
-    config = HDETConfig(
+    settings = dict(
         period=run.period,
         axes=(Axis("lr", 0.3),),
         signal=run.signal,
@@ -95,8 +95,8 @@ def pair(rank: int, world: int, run: PairRun) -> dict:
         momentum=0.5,
         start_scale=0.5,
         temperature="auto",
-        **run.config,
     )
+    config = HDETConfig(**{**settings, **run.config})
     with toy.parallel(setup):
         model = toy.build_model(setup)
         optimizer = toy.build_optimizer(setup, model)
