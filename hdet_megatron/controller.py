@@ -124,8 +124,9 @@ PROTOTYPES: set[str] = set()
 #:   spread: with ``grad_sync="global"`` every replica rebuilds any point of the line from its own
 #:   parameters, so the arms may train close together (a narrow spread, which costs little
 #:   where the widest arm would sit past the edge of stability) while the line still compares
-#:   multipliers as far apart as the default spread's. Measured (BENCHMARKS 3j): no worse than
-#:   the defaults, not a clear gain on the held-out tasks; not adopted.
+#:   multipliers as far apart as the default spread's. Measured (BENCHMARKS 3j, 3l): better on
+#:   the mean, worse at the best LR of two held-out tasks; not the default. Users get it as
+#:   ``HDETConfig.line_width``; the prototype stays so that the benchmark rows rerun as they ran.
 KNOWN_PROTOTYPES = frozenset(
     {
         "average_lag",
