@@ -130,8 +130,12 @@ def test_hdet_flags_cover_every_config_field(pg, data):
     # Every setting has a flag (resolution_note, compare=False, is what resolve() chose, not a setting).
     settings = [f for f in dataclasses.fields(HDETConfig) if f.compare]
     changed = {f.name for f in settings if getattr(hdet, f.name) != getattr(HDETConfig(), f.name)}
-    assert changed == {f.name for f in settings} and len(settings) == len(dataclasses.fields(HDETConfig)) - 1
+    # line_width needs a line signal, which two axes and arm-local gradients rule out: its own run.
+    assert changed == {f.name for f in settings} - {"line_width"}
+    assert len(settings) == len(dataclasses.fields(HDETConfig)) - 1
     assert hdet.period == 7 and hdet.axes[0].kind == "log" and hdet.scale_bounds == (0.1, 10.0)
+    _, wide = parse(pg, ["--data-path", data, "--hdet-spread", "0.05", "--hdet-line-width", "0.3"])
+    assert wide.line_width == 0.3 and wide.axes[0].spread == 0.05
 
 
 @pytest.mark.parametrize(
