@@ -144,6 +144,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="HDET modes: the LR axis's spread (default: HDETConfig's, 0.3 with auto-LR on, else 1/9)",
     )
+    p.add_argument(
+        "--line-width",
+        type=float,
+        default=None,
+        help="HDET modes: HDETConfig.line_width (default: the line at the arms' own multipliers)",
+    )
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--run-dir", required=True)
     return p.parse_args(argv)
@@ -221,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
         hdet = HDETConfig(period=args.period, auto=args.mode != "hdet-off")
         if args.spread is not None:
             hdet = dataclasses.replace(hdet, axes=(Axis("lr", args.spread),))
+        if args.line_width is not None:
+            hdet = dataclasses.replace(hdet, line_width=args.line_width)
         if args.mode == "hdet-fixed":
             hdet = dataclasses.replace(hdet, meta_lr=0.0, start_scale=1.0, brake=False)
         assert shape is not None

@@ -71,11 +71,15 @@ class Variant:
     """The LR spread the arms train with (``--spread`` / ``--hdet-spread``; None: the default)."""
     auto: bool = True
     """Auto-LR on (False: spread and converge only)."""
+    line_width: float | None = None
+    """``HDETConfig.line_width`` (``--line-width`` / ``--hdet-line-width``; None: the default)."""
 
 
 #: ``wline``/``narrow``/``offn``: the narrow training spread (3j).
 NARROW_SPREAD = 0.05
-#: Controller prototypes and spreads (``--variants``) over the defaults, measured as rows
+#: ``wline``: the half-width of the line's points (the default LR spread with a line signal).
+WIDE_LINE_WIDTH = 0.3
+#: Controller prototypes, spreads and line widths (``--variants``) over the defaults, measured as rows
 #: ``{name}-x{g}`` at the same guesses (on the tuning tasks only). ``wline``: the line scored
 #: wider than the arms train; ``narrow``: the narrow spread alone (the line at the arms' own
 #: points); ``offn``: the narrow spread with auto-LR off (what it costs); ``off9``: auto-LR off at
@@ -95,7 +99,7 @@ VARIANTS: dict[str, Variant] = {
     "wcap": Variant(("warmup_cap",)),
     "wpeak": Variant(("warmup_peak",)),
     "nohold": Variant(("no_warmup_hold",)),
-    "wline": Variant(("wide_line",), NARROW_SPREAD),
+    "wline": Variant(spread=NARROW_SPREAD, line_width=WIDE_LINE_WIDTH),
     "narrow": Variant(spread=NARROW_SPREAD),
     "offn": Variant(spread=NARROW_SPREAD, auto=False),
     "off9": Variant(spread=1.0 / 9.0, auto=False),
@@ -356,13 +360,16 @@ def command(task: Task, run: Run, seed: int, data_prefix: str, eval_iters: int) 
             mode = "hdet-off"
         if variant.spread is not None:
             sets.append(f"--spread={variant.spread:g}")
+        if variant.line_width is not None:
+            sets.append(f"--line-width={variant.line_width:g}")
         return [TORCH_WORKER, "--mode", mode, "--lr", f"{run.lr:.6g}", *torch_base(task, seed), *sets]
     base = megatron_base(task, seed, data_prefix, eval_iters)
     if run.group == "proto":
         flags = [*quality.lr_flags(run.lr), "--hdet-period", str(task.period)]
         flags += [] if variant.spread is None else ["--hdet-spread", f"{variant.spread:g}"]
+        flags += [] if variant.line_width is None else ["--hdet-line-width", f"{variant.line_width:g}"]
         flags += [] if variant.auto else ["--no-hdet-auto"]
-        if not variant.prototypes:  # another spread only: the example itself
+        if not variant.prototypes:  # another spread or line width only: the example itself
             return [quality.SCRIPT, *base, *flags]
         # The example with the variant's prototypes switched on (benchmark only).
         return [MEGATRON_LAUNCHER, *sets, "--", *base, *flags]

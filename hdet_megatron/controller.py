@@ -119,14 +119,10 @@ PROTOTYPES: set[str] = set()
 #:   bias), so a high guess climbs too.
 #: * ``"no_warmup_hold"``: the warm-up hold off whatever ``HDETConfig.warmup_hold`` says (the
 #:   defaults before it, as benchmark rows beside the defaults).
-#: * ``"wide_line"`` (line signals): the line is scored at :data:`WIDE_LINE_WIDTH` around 1
-#:   (as many evenly spaced points as the arms have distinct multipliers) whatever the training
-#:   spread: with ``grad_sync="global"`` every replica rebuilds any point of the line from its own
-#:   parameters, so the arms may train close together (a narrow spread, which costs little
-#:   where the widest arm would sit past the edge of stability) while the line still compares
-#:   multipliers as far apart as the default spread's. Measured (BENCHMARKS 3j, 3l): better on
-#:   the mean, worse at the best LR of two held-out tasks; not the default. Users get it as
-#:   ``HDETConfig.line_width``; the prototype stays so that the benchmark rows rerun as they ran.
+#:
+#: The line scored wider than the arms train, measured as the prototype ``"wide_line"`` (BENCHMARKS
+#: 3j, 3l), is the config field ``HDETConfig.line_width`` now (the benchmark's ``wline`` rows set
+#: it; bit-identical to the prototype's runs).
 KNOWN_PROTOTYPES = frozenset(
     {
         "average_lag",
@@ -140,12 +136,8 @@ KNOWN_PROTOTYPES = frozenset(
         "warmup_cap",
         "warmup_peak",
         "no_warmup_hold",
-        "wide_line",
     }
 )
-
-#: ``wide_line``: the half-width of the line's points (the default LR spread with a line signal).
-WIDE_LINE_WIDTH = 0.3
 
 #: ``slope_gate``/``slope_guard``: EWMA weight of a window's training-loss slope (about the last
 #: 1/SLOPE_EWMA windows count), the windows seen before either may act, the guard's bar in

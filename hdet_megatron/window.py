@@ -391,10 +391,7 @@ class WindowEngine:
         if line_search is None:
             probe = self._score(batch)
         else:
-            width = self.config.line_width
-            if width is None and "wide_line" in controller_module.PROTOTYPES:  # benchmark rows of 3j
-                width = controller_module.WIDE_LINE_WIDTH
-            points = line_points(arm_values["lr"], width)
+            points = line_points(arm_values["lr"], self.config.line_width)
             rho = arm_values["lr"][self.adapter.arm]
             losses = line_search.evaluate(points, rho, self.adapter.refresh, lambda: self._score(batch))
         fingerprint = None

@@ -240,12 +240,12 @@ def test_no_warmup_hold_switches_the_default_hold_off(prototypes):
     assert final_scale() == pytest.approx(1.6**3)
 
 
-def test_wide_line_scores_the_line_wider_than_the_arms_train(prototypes):
+def test_a_line_width_scores_the_line_wider_than_the_arms_train():
     from hdet_megatron.line_signal import line_points
 
     narrow = [0.95, 0.95 + 0.1 / 3, 1.05 - 0.1 / 3, 1.05]  # a training spread of 0.05
     assert line_points(narrow) == sorted(narrow)  # the arms' own points by default
-    wide = line_points(narrow, controller.WIDE_LINE_WIDTH)
+    wide = line_points(narrow, 0.3)
     assert wide == pytest.approx(RHO, abs=1e-15)  # the default spread's points, 4 arms
     assert line_points([1.0, 1.0], 0.3) == [1.0]  # one distinct multiplier: nothing to spread
     # The same line (minimum at 1.2) gives the same step whether the arms sit on its points or

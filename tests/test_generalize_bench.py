@@ -148,15 +148,15 @@ def test_variant_rows_may_train_with_another_spread_or_auto_off():
     assert (offn.variant.spread, offn.variant.auto) == (0.05, False)
     torch_cmd = g.command(g.TASKS["onecycle-ddp"], wline, 1, "", 20)
     assert torch_cmd[torch_cmd.index("--mode") + 1] == "hdet"
-    assert torch_cmd[-2:] == ["--prototype=wide_line", "--spread=0.05"]
+    assert torch_cmd[-2:] == ["--spread=0.05", "--line-width=0.3"]
     off_cmd = g.command(g.TASKS["onecycle-ddp"], offn, 1, "", 20)
     assert off_cmd[off_cmd.index("--mode") + 1] == "hdet-off" and off_cmd[-1] == "--spread=0.05"
     meg = g.command(g.TASKS["megatron-8x"], offn, 1, "P", 20)
     assert meg[0] == g.quality.SCRIPT  # no prototype: the example itself, not the launcher
     assert meg[meg.index("--hdet-spread") + 1] == "0.05" and meg[-1] == "--no-hdet-auto"
     meg = g.command(g.TASKS["megatron-8x"], wline, 1, "P", 20)
-    assert meg[:3] == [g.MEGATRON_LAUNCHER, "--prototype=wide_line", "--"]
-    assert meg[meg.index("--hdet-spread") + 1] == "0.05"
+    assert meg[0] == g.quality.SCRIPT and not any(c.startswith("--prototype") for c in meg)
+    assert meg[meg.index("--hdet-spread") + 1] == "0.05" and meg[meg.index("--hdet-line-width") + 1] == "0.3"
     plain = next(r for r in g.method_runs(2e-3, ["lagjk"]) if r.group == "proto")
     assert "--hdet-spread" not in g.command(g.TASKS["megatron-8x"], plain, 1, "P", 20)
 
