@@ -99,6 +99,7 @@ VARIANTS: dict[str, Variant] = {
     "wcap": Variant(("warmup_cap",)),
     "wpeak": Variant(("warmup_peak",)),
     "nohold": Variant(("no_warmup_hold",)),
+    "xclip": Variant(("expand_clip",)),
     "wline": Variant(spread=NARROW_SPREAD, line_width=WIDE_LINE_WIDTH),
     "narrow": Variant(spread=NARROW_SPREAD),
     "offn": Variant(spread=NARROW_SPREAD, auto=False),
@@ -634,6 +635,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="also run fixed-x{guess}: the controller probes and logs but never moves the LR "
         "(the signal without feedback, for signal_audit.py)",
     )
+    p.add_argument(
+        "--best-lr",
+        type=float,
+        nargs="+",
+        default=None,
+        help="one task: each seed's best sweep LR from an earlier run (as many as --seeds), so the "
+        "rows run without the sweep (their table then has no best point to compare with)",
+    )
     p.add_argument("--eval-iters", type=int, default=20, help="Megatron tasks' validation batches")
     p.add_argument("--out", default="benchmarks/results/generalize")
     p.add_argument("--force", action="store_true", help="rerun finished runs")
@@ -645,6 +654,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             f"{', '.join(refused)} {'is a held-out task' if len(refused) == 1 else 'are held-out tasks'}: "
             "they run once, with nothing changed, after the rule is frozen (--held-out)"
         )
+    if args.best_lr is not None and (len(args.tasks) != 1 or len(args.best_lr) != len(args.seeds)):
+        p.error(
+            f"--best-lr needs one task and one LR per seed ({len(args.seeds)} seeds, {len(args.best_lr)} LRs)"
+        )
+    if args.best_lr is not None and not all(lr > 0 for lr in args.best_lr):
+        p.error(f"--best-lr {args.best_lr}: LRs must be > 0")
     return args
 
 
@@ -680,7 +695,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         data_prefix = quality.default_data_prefix()
         for name in args.tasks:
             task = TASKS[name]
-            for seed in args.seeds:
+            for index, seed in enumerate(args.seeds):
 
                 def do(run: Run, task: Task = task, seed: int = seed) -> dict:
                     run_dir = os.path.join(args.out, task.name, f"{run.row}-s{seed}")
@@ -696,6 +711,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                     log(f"{task.name} seed {seed} {run.row}: valid {row['valid_loss']:.4f} ({took})")
                     return row
 
+                if args.best_lr is not None:
+                    best_lr = args.best_lr[index]
+                    log(f"{task.name} seed {seed}: best sweep LR {best_lr:g} given, no sweep run")
+                    for run in method_runs(best_lr, args.variants, args.fixed):
+                        if not args.only or run.row in args.only:
+                            do(run)
+                    continue
                 sweep: dict[float, float] = {}
                 for _ in range(MAX_EXTENSIONS + 1):
                     todo = next_sweep_factors(sweep)

@@ -119,6 +119,12 @@ PROTOTYPES: set[str] = set()
 #:   bias), so a high guess climbs too.
 #: * ``"no_warmup_hold"``: the warm-up hold off whatever ``HDETConfig.warmup_hold`` says (the
 #:   defaults before it, as benchmark rows beside the defaults).
+#: * ``"expand_clip"`` (``newton``): a trust region for the LR step. A window whose step was taken
+#:   at the bound (the line's minimum past it) doubles the bound of the next window's step, up to
+#:   :data:`EXPAND_MAX_STEP`; a step inside the bound, one the other way, a brake or a hold
+#:   resets it to :data:`NEWTON_MAX_STEP`. A guess far below the best LR (1/16 of it after the
+#:   slow start from a quarter) then climbs in 3 windows instead of 5; the fixed point, where the
+#:   step crosses 0, is the defaults'.
 #:
 #: The line scored wider than the arms train, measured as the prototype ``"wide_line"`` (BENCHMARKS
 #: 3j, 3l), is the config field ``HDETConfig.line_width`` now (the benchmark's ``wline`` rows set
@@ -136,6 +142,7 @@ KNOWN_PROTOTYPES = frozenset(
         "warmup_cap",
         "warmup_peak",
         "no_warmup_hold",
+        "expand_clip",
     }
 )
 
@@ -151,6 +158,9 @@ SLOPE_GUARD_STEP = 0.35
 #: that fits past :data:`NEWTON_MAX_STEP` still differ, narrow enough that a near-flat fit's
 #: far-away minimum does not swamp the standard error.
 JACKKNIFE_MAX_STEP = 16.0
+
+#: ``expand_clip``: the largest bound (a factor) the trust region grows to.
+EXPAND_MAX_STEP = 8.0
 
 #: The brake needs a spike or rise this many times the window's noise (the spread of the other
 #: arms' training losses) besides its relative threshold: noise alone must not cut the LR.
@@ -520,6 +530,22 @@ class AutoController:
         elif cfg.signal == "average" and "half_lag" in PROTOTYPES:
             lag = math.sqrt(average_lag(cfg.period))
         unclipped = "jackknife_unclipped" in PROTOTYPES
+        expand = "expand_clip" in PROTOTYPES and cfg.rule == "newton"
+        # Prototype state (not checkpointed): the LR step's bound per axis, and the sign of the
+        # last step taken at it.
+        bounds: dict[str, tuple[float, int]] = getattr(self, "_prototype_bounds", {})
+        new_bounds: dict[str, tuple[float, int]] = {}
+
+        def clip_bound(name: str) -> float:
+            return bounds.get(name, (NEWTON_MAX_STEP, 0))[0] if expand and name == "lr" else NEWTON_MAX_STEP
+
+        def toward(name: str, d: float) -> float:
+            """A step against the grown bound's direction gets the rule's own bound (a reversal
+            says the last steps went far enough)."""
+            sign = bounds.get(name, (NEWTON_MAX_STEP, 0))[1] if expand and name == "lr" else 0
+            edge = math.log(NEWTON_MAX_STEP)
+            return min(max(d, -edge), edge) if d * sign < 0 else d
+
         slope_gate = slope_guard = False
         if PROTOTYPES & {"slope_gate", "slope_guard"} and move:
             mean, se, seen = self._prototype_slope(train, spreads)
@@ -546,7 +572,10 @@ class AutoController:
                 # Equal weights carry no information: exactly 0 (no drift from rounding).
                 delta = 0.0
             elif cfg.rule == "newton":
-                delta = _newton_delta_of(values, losses, axis.additive, lag=lag if name == "lr" else 1.0)
+                delta = _newton_delta_of(
+                    values, losses, axis.additive, lag=lag if name == "lr" else 1.0, bound=clip_bound(name)
+                )
+                delta = toward(name, delta)
             else:
                 center = math.fsum(values) / len(values)
                 # sum_r w_r (x_r - mean): for the linear spread x_r - 1 is exact, so a neutral
@@ -555,8 +584,11 @@ class AutoController:
             raw_deltas[name] = delta
             if name == "lr" and jackknife and not uniform:
                 # Leave-one-replica-out steps; se^2 = (n-1)/n sum (d_i - mean)^2 (jackknife).
-                bound = JACKKNIFE_MAX_STEP if unclipped else NEWTON_MAX_STEP
-                ds = [_newton_delta_of(values, fit.pseudo_losses, False, lag, bound) for fit in jackknife]
+                bound = JACKKNIFE_MAX_STEP if unclipped else clip_bound(name)
+                ds = [
+                    toward(name, _newton_delta_of(values, fit.pseudo_losses, False, lag, bound))
+                    for fit in jackknife
+                ]
                 mean = math.fsum(ds) / len(ds)
                 se = math.sqrt((len(ds) - 1) / len(ds) * math.fsum((d - mean) ** 2 for d in ds))
                 d = _newton_delta_of(values, losses, False, lag, bound) if unclipped else delta
@@ -601,6 +633,16 @@ class AutoController:
             if slope_guard and _is_lr(axis):
                 v = min(v, -SLOPE_GUARD_STEP / meta_lr) if meta_lr > 0 else v
             new_velocity[name] = v
+            if expand and name == "lr":
+                bound = clip_bound(name)
+                raw = raw_deltas[name]
+                sign = (raw > 0) - (raw < 0)
+                last_sign = bounds.get(name, (NEWTON_MAX_STEP, 0))[1]
+                # Taken at the bound: the line's minimum was past it and the step went that way.
+                edge = math.log(bound if sign != -last_sign else NEWTON_MAX_STEP)
+                at_bound = abs(raw) >= edge - 1e-12 and v * raw > 0
+                if at_bound and sign != -last_sign:
+                    new_bounds[name] = (min(bound * NEWTON_MAX_STEP, EXPAND_MAX_STEP), sign)
             if axis.additive:
                 new_scale[name] = self._bound_shift(axis, c + meta_lr * v, base)
             elif cfg.rule == "newton":
@@ -633,6 +675,8 @@ class AutoController:
             brake=brake,
         )
         # Commit only after everything above succeeded.
+        if expand and move:
+            self._prototype_bounds = new_bounds
         self._scale = new_scale
         self._velocity = new_velocity
         self.last_bases = bases

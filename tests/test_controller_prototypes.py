@@ -260,3 +260,34 @@ def test_a_line_width_scores_the_line_wider_than_the_arms_train():
     losses = [(p - 1.2) ** 2 for p in RHO[:3]] + [math.inf]
     fit = fit_line(wide, losses, narrow, 1.0)
     assert all(math.isfinite(x) for x in fit.pseudo_losses) and fit.curvature == pytest.approx(2.0)
+
+
+def test_expand_clip_doubles_the_bound_after_each_step_taken_at_it(prototypes):
+    far, near, down = _line([50.0] * 4), _line([1.5] * 4), _line([0.01] * 4)
+    prototypes.add("expand_clip")
+
+    def steps(lines, bases=None) -> list[float]:
+        ctl = _controller()
+        out = []
+        for k, line in enumerate(lines):
+            base = None if bases is None else {"lr": bases[k]}
+            update = ctl.update(
+                line.pseudo_losses, {"lr": RHO}, step=10 * (k + 1), base_values=base, line=line
+            )
+            out.append(update.raw_deltas["lr"])
+        return out
+
+    log2 = math.log(NEWTON_MAX_STEP)
+    # Far above: 2x, 4x, 8x, then capped at EXPAND_MAX_STEP.
+    assert steps([far] * 4) == pytest.approx([log2, 2 * log2, 3 * log2, math.log(controller.EXPAND_MAX_STEP)])
+    # A step inside the bound resets it; so does one taken at the bound the other way.
+    assert steps([far, far, near, far]) == pytest.approx([log2, 2 * log2, math.log(1.5), log2])
+    # A reversal gets the rule's own bound, whatever the bound grew to the other way.
+    assert steps([far, far, down, down, down]) == pytest.approx([log2, 2 * log2, -log2, -log2, -2 * log2])
+    # A held rise (the warm-up hold: the base LR rose) is not a step taken: the bound goes back
+    # to 2x. (The first update has no previous base, so it moves and grows the bound.)
+    warm = steps([far] * 4, bases=[1e-4, 2e-4, 3e-4, 3e-4])
+    assert warm == pytest.approx([log2, 2 * log2, log2, log2])
+    # Off: every window at the 2x bound.
+    prototypes.clear()
+    assert steps([far] * 3) == pytest.approx([log2] * 3)
