@@ -196,3 +196,38 @@ def test_signal_audit_train_slope_is_the_least_squares_slope_on_log_multiplier()
     assert math.isnan(signal_audit.train_slope({**window, "arm_train_losses": [1.0, math.inf, 1.0, 1.0]}))
     mean, se = signal_audit.mean_se([1.0, 3.0, math.nan])
     assert mean == 2.0 and se == pytest.approx(1.0)
+
+
+def test_best_lr_from_an_earlier_sweep_needs_one_task_and_one_lr_per_seed(capsys):
+    args = g.parse_args(["--tasks", "onecycle-ddp", "--seeds", "1", "2", "--best-lr", "2e-3", "4e-3"])
+    assert args.best_lr == [2e-3, 4e-3]
+    assert g.parse_args([]).best_lr is None  # the sweep runs by default
+    for bad in (
+        ["--tasks", "onecycle-ddp", "--seeds", "1", "2", "--best-lr", "2e-3"],
+        ["--tasks", "onecycle-ddp", "megatron-8x", "--best-lr", "2e-3"],
+        ["--tasks", "onecycle-ddp", "--best-lr", "0"],
+    ):
+        with pytest.raises(SystemExit):
+            g.parse_args(bad)
+        assert "--best-lr" in capsys.readouterr().err
+
+
+def test_noise_floor_rows_and_their_pooled_spread():
+    import noise_floor as nf
+
+    assert nf.parse_best("onecycle-ddp:1234:2e-3:2.2108") == ("onecycle-ddp", 1234, 2e-3, 2.2108)
+    for bad in ("onecycle-ddp:1234:2e-3", "no-task:1:1e-3:2.0", "onecycle-ddp:x:2e-3:2.0"):
+        with pytest.raises(Exception, match="--best"):
+            nf.parse_best(bad)
+
+    def row(seed: int, factor: float, loss: float) -> dict:
+        return {"task": "onecycle-ddp", "seed": seed, "factor": factor, "valid_loss": loss, "best_loss": 2.0}
+
+    # Seed 1: draws 0, +1%, -1% (mean 0, squares 2); seed 2: 0, +2%, +4% (mean 2, squares 8).
+    rows = [row(1, 0.98, 2.02), row(1, 1.02, 1.98), row(2, 0.98, 2.04), row(2, 1.02, 2.08)]
+    table = nf.table(rows)
+    assert "| `onecycle-ddp` | tuning | 1: +1.00, -1.00; 2: +2.00, +4.00 | 1.58 | +1.50% |" in table
+    # The plain runs are the sweep's own command line at the given LR.
+    run = g.Run("noise-x0.98", "sweep", 2e-3 * 0.98, None)
+    cmd = g.command(g.TASKS["onecycle-ddp"], run, 1234, "", 20)
+    assert cmd[cmd.index("--mode") + 1] == "plain" and cmd[cmd.index("--lr") + 1] == "0.00196"
