@@ -5,6 +5,8 @@ optimizers a user would pick instead of a sweep.
     .venv/bin/python benchmarks/generalize.py --tasks megatron-8x onecycle-ddp --seeds 1234
     .venv/bin/python benchmarks/generalize.py --tasks megatron-wsd hsdp-cosine --held-out --seeds 1 2 3
     .venv/bin/python benchmarks/generalize.py --table-only                 # tables from the results
+    # the rows at an earlier sweep's best LRs (one per seed), without running the sweep again:
+    .venv/bin/python benchmarks/generalize.py --tasks onecycle-ddp --seeds 1 2 --best-lr 2e-3 4e-3
 
 Every run uses 4 local gloo ranks = 4 data-parallel replicas = 4 HDET arms. Per task and seed:
 
