@@ -102,6 +102,7 @@ VARIANTS: dict[str, Variant] = {
     "wpeak": Variant(("warmup_peak",)),
     "nohold": Variant(("no_warmup_hold",)),
     "xclip": Variant(("expand_clip",)),
+    "riseraw": Variant(("rise_carry_free",)),
     "wline": Variant(spread=NARROW_SPREAD, line_width=WIDE_LINE_WIDTH),
     "narrow": Variant(spread=NARROW_SPREAD),
     "offn": Variant(spread=NARROW_SPREAD, auto=False),

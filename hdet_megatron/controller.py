@@ -124,7 +124,13 @@ PROTOTYPES: set[str] = set()
 #:   :data:`EXPAND_MAX_STEP`; a step inside the bound, one the other way, a brake or a hold
 #:   resets it to :data:`NEWTON_MAX_STEP`. A guess far below the best LR (1/16 of it after the
 #:   slow start from a quarter) then climbs in 3 windows instead of 5; the fixed point, where the
-#:   step crosses 0, is the defaults'.
+#:   step crosses 0, is the defaults'. Rejected (BENCHMARKS 3m): the faster climb carries further
+#:   past that point.
+#: * ``"rise_carry_free"``: the momentum carries descents only. A window whose step is up moves
+#:   by its own step (``v = Delta``, as ``no_momentum``); one whose step is down by
+#:   ``beta min(v, 0) + (1 - beta) Delta``, so a rise's velocity never carries into a window
+#:   whose evidence is down, while a descent keeps the defaults' momentum (without it the descent
+#:   from a high guess was too slow, BENCHMARKS 3f).
 #:
 #: The line scored wider than the arms train, measured as the prototype ``"wide_line"`` (BENCHMARKS
 #: 3j, 3l), is the config field ``HDETConfig.line_width`` now (the benchmark's ``wline`` rows set
@@ -143,6 +149,7 @@ KNOWN_PROTOTYPES = frozenset(
         "warmup_peak",
         "no_warmup_hold",
         "expand_clip",
+        "rise_carry_free",
     }
 )
 
@@ -604,6 +611,12 @@ class AutoController:
                 new_scale[name] = self._clamp(c * cfg.brake_factor)
                 continue
             v = momentum * self._velocity[name] + (1.0 - momentum) * delta
+            if "rise_carry_free" in PROTOTYPES and _is_lr(axis):
+                v = (
+                    delta
+                    if delta > 0
+                    else momentum * min(self._velocity[name], 0.0) + (1.0 - momentum) * delta
+                )
             if self.hold and _is_lr(axis) and v > 0:
                 v = 0.0  # held after a brake: no rise yet
             warming = name in bases and bases[name] > previous_bases.get(name, math.inf)

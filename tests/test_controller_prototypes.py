@@ -291,3 +291,24 @@ def test_expand_clip_doubles_the_bound_after_each_step_taken_at_it(prototypes):
     # Off: every window at the 2x bound.
     prototypes.clear()
     assert steps([far] * 3) == pytest.approx([log2] * 3)
+
+
+def test_rise_carry_free_keeps_momentum_for_descents_only(prototypes):
+    up, down = _line([1.6] * 4), _line([0.8] * 4)
+    cfg = HDETConfig(period=10, signal="average", start_scale=1.0, brake=False, momentum=0.5)
+
+    def scales(lines) -> list[float]:
+        ctl = AutoController(cfg, 4, probe_available=True)
+        out = []
+        for k, line in enumerate(lines):
+            ctl.update(line.pseudo_losses, {"lr": RHO}, step=10 * (k + 1), line=line)
+            out.append(ctl.scale("lr"))
+        return out
+
+    lu, ld = math.log(1.6), math.log(0.8)
+    assert scales([up, down]) == pytest.approx([math.exp(lu / 2), math.exp(lu / 2 + (lu / 2 + ld) / 2)])
+    prototypes.add("rise_carry_free")
+    # A rise moves by its own step; the descent after it starts from no velocity, not the rise's.
+    assert scales([up, down]) == pytest.approx([1.6, 1.6 * math.exp(ld / 2)])
+    # Descents keep the momentum: the second of two carries half the first's velocity.
+    assert scales([down, down]) == pytest.approx([math.exp(ld / 2), math.exp(ld / 2 + ld / 4 + ld / 2)])
