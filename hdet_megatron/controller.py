@@ -130,7 +130,8 @@ PROTOTYPES: set[str] = set()
 #:   by its own step (``v = Delta``, as ``no_momentum``); one whose step is down by
 #:   ``beta min(v, 0) + (1 - beta) Delta``, so a rise's velocity never carries into a window
 #:   whose evidence is down, while a descent keeps the defaults' momentum (without it the descent
-#:   from a high guess was too slow, BENCHMARKS 3f).
+#:   from a high guess was too slow, BENCHMARKS 3f). Rejected (BENCHMARKS 3m): better on
+#:   ``onecycle-ddp`` from best/4 and the best LR, 4 points worse on ``megatron-8x`` from 4x.
 #:
 #: The line scored wider than the arms train, measured as the prototype ``"wide_line"`` (BENCHMARKS
 #: 3j, 3l), is the config field ``HDETConfig.line_width`` now (the benchmark's ``wline`` rows set

@@ -3,7 +3,8 @@ benchmark switches them on): ``average_lag`` (the ``average`` line's minimum mov
 line's), ``jackknife_unclipped`` (a confidence that cannot reach 1 only because every
 replica's fit was clipped), ``hold_warmup``, ``no_momentum``, and ``slope_gate``/``slope_guard``
 (the arms' training-loss slope on log LR vetoes rises / steps the LR down), ``half_lag``,
-``warmup_cap`` and ``warmup_peak`` (a warm-up rise bounded by the schedule's peak)."""
+``warmup_cap`` and ``warmup_peak`` (a warm-up rise bounded by the schedule's peak), ``expand_clip``
+(a trust region for the LR step) and ``rise_carry_free`` (momentum for descents only)."""
 
 from __future__ import annotations
 
