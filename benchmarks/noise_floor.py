@@ -85,7 +85,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def save(path: str, row: dict) -> dict[tuple[str, int, float], dict]:
+def save(path: str, row: dict) -> None:
     """Add ``row`` to the results file (read again under a lock: two runners may share it)."""
     with open(path + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -95,7 +95,6 @@ def save(path: str, row: dict) -> dict[tuple[str, int, float], dict]:
             runs = sorted(rows.values(), key=lambda r: (r["task"], r["seed"], r["factor"]))
             json.dump({"runs": runs}, f, indent=1)
         os.replace(path + ".tmp", path)
-    return rows
 
 
 def load(path: str) -> dict[tuple[str, int, float], dict]:
@@ -118,7 +117,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         p.error("give at least one --best TASK:SEED:LR:LOSS (or --table-only)")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "noise_floor.json")
-    rows = load(path)
     data_prefix = None if args.table_only else quality.default_data_prefix()
 
     def log(msg: str) -> None:
@@ -132,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             cmd = generalize.command(task, run, seed, data_prefix or "", args.eval_iters)
             final, seconds = generalize.execute(cmd, run_dir, args.force, log)
             loss = final["valid_loss"]
-            rows[(name, seed, factor)] = {
+            row = {
                 "task": name,
                 "seed": seed,
                 "factor": factor,
@@ -143,9 +141,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "wall_seconds": seconds,
                 "run_dir": run_dir,
             }
-            rows = save(path, rows[(name, seed, factor)])
-            gap = 100.0 * (rows[(name, seed, factor)]["valid_loss"] / best_loss - 1.0)
-            log(f"{name} seed {seed} x{factor:g}: valid {loss:.4f} ({gap:+.2f}% vs the best point)")
+            save(path, row)
+            log(
+                f"{name} seed {seed} x{factor:g}: valid {loss:.4f} ({gaps([row])[0]:+.2f}% vs the best point)"
+            )
     text = table(list(load(path).values()))
     with open(os.path.join(args.out, "noise_floor.md"), "w") as f:
         f.write(text + "\n")

@@ -539,20 +539,17 @@ class AutoController:
             lag = math.sqrt(average_lag(cfg.period))
         unclipped = "jackknife_unclipped" in PROTOTYPES
         expand = "expand_clip" in PROTOTYPES and cfg.rule == "newton"
-        # Prototype state (not checkpointed): the LR step's bound per axis, and the sign of the
-        # last step taken at it.
-        bounds: dict[str, tuple[float, int]] = getattr(self, "_prototype_bounds", {})
-        new_bounds: dict[str, tuple[float, int]] = {}
+        # Prototype state (not checkpointed): the "lr" step's bound and the sign of the last step
+        # taken at it; the next window's, (NEWTON_MAX_STEP, 0) unless this one grows it.
+        unset = (NEWTON_MAX_STEP, 0)
+        lr_bound, bound_sign = getattr(self, "_prototype_bound", unset) if expand else unset
+        next_bound = unset
 
-        def clip_bound(name: str) -> float:
-            return bounds.get(name, (NEWTON_MAX_STEP, 0))[0] if expand and name == "lr" else NEWTON_MAX_STEP
-
-        def toward(name: str, d: float) -> float:
+        def toward(d: float) -> float:
             """A step against the grown bound's direction gets the rule's own bound (a reversal
             says the last steps went far enough)."""
-            sign = bounds.get(name, (NEWTON_MAX_STEP, 0))[1] if expand and name == "lr" else 0
             edge = math.log(NEWTON_MAX_STEP)
-            return min(max(d, -edge), edge) if d * sign < 0 else d
+            return min(max(d, -edge), edge) if d * bound_sign < 0 else d
 
         slope_gate = slope_guard = False
         if PROTOTYPES & {"slope_gate", "slope_guard"} and move:
@@ -580,10 +577,10 @@ class AutoController:
                 # Equal weights carry no information: exactly 0 (no drift from rounding).
                 delta = 0.0
             elif cfg.rule == "newton":
-                delta = _newton_delta_of(
-                    values, losses, axis.additive, lag=lag if name == "lr" else 1.0, bound=clip_bound(name)
-                )
-                delta = toward(name, delta)
+                if name == "lr":
+                    delta = toward(_newton_delta_of(values, losses, axis.additive, lag=lag, bound=lr_bound))
+                else:
+                    delta = _newton_delta_of(values, losses, axis.additive)
             else:
                 center = math.fsum(values) / len(values)
                 # sum_r w_r (x_r - mean): for the linear spread x_r - 1 is exact, so a neutral
@@ -592,9 +589,9 @@ class AutoController:
             raw_deltas[name] = delta
             if name == "lr" and jackknife and not uniform:
                 # Leave-one-replica-out steps; se^2 = (n-1)/n sum (d_i - mean)^2 (jackknife).
-                bound = JACKKNIFE_MAX_STEP if unclipped else clip_bound(name)
+                bound = JACKKNIFE_MAX_STEP if unclipped else lr_bound
                 ds = [
-                    toward(name, _newton_delta_of(values, fit.pseudo_losses, False, lag, bound))
+                    toward(_newton_delta_of(values, fit.pseudo_losses, False, lag, bound))
                     for fit in jackknife
                 ]
                 mean = math.fsum(ds) / len(ds)
@@ -648,15 +645,12 @@ class AutoController:
                 v = min(v, -SLOPE_GUARD_STEP / meta_lr) if meta_lr > 0 else v
             new_velocity[name] = v
             if expand and name == "lr":
-                bound = clip_bound(name)
                 raw = raw_deltas[name]
                 sign = (raw > 0) - (raw < 0)
-                last_sign = bounds.get(name, (NEWTON_MAX_STEP, 0))[1]
-                # Taken at the bound: the line's minimum was past it and the step went that way.
-                edge = math.log(bound if sign != -last_sign else NEWTON_MAX_STEP)
-                at_bound = abs(raw) >= edge - 1e-12 and v * raw > 0
-                if at_bound and sign != -last_sign:
-                    new_bounds[name] = (min(bound * NEWTON_MAX_STEP, EXPAND_MAX_STEP), sign)
+                # Taken at the bound (the line's minimum was past it and the step went that way),
+                # not a reversal: the next window's bound grows.
+                if sign != -bound_sign and abs(raw) >= math.log(lr_bound) - 1e-12 and v * raw > 0:
+                    next_bound = (min(lr_bound * NEWTON_MAX_STEP, EXPAND_MAX_STEP), sign)
             if axis.additive:
                 new_scale[name] = self._bound_shift(axis, c + meta_lr * v, base)
             elif cfg.rule == "newton":
@@ -690,7 +684,7 @@ class AutoController:
         )
         # Commit only after everything above succeeded.
         if expand and move:
-            self._prototype_bounds = new_bounds
+            self._prototype_bound = next_bound
         self._scale = new_scale
         self._velocity = new_velocity
         self.last_bases = bases
