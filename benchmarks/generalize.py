@@ -103,6 +103,7 @@ VARIANTS: dict[str, Variant] = {
     "nohold": Variant(("no_warmup_hold",)),
     "xclip": Variant(("expand_clip",)),
     "riseraw": Variant(("rise_carry_free",)),
+    "holdfirst": Variant(("hold_first",)),
     "wline": Variant(spread=NARROW_SPREAD, line_width=WIDE_LINE_WIDTH),
     "narrow": Variant(spread=NARROW_SPREAD),
     "offn": Variant(spread=NARROW_SPREAD, auto=False),

@@ -132,6 +132,11 @@ PROTOTYPES: set[str] = set()
 #:   whose evidence is down, while a descent keeps the defaults' momentum (without it the descent
 #:   from a high guess was too slow, BENCHMARKS 3f). Rejected (BENCHMARKS 3m): better on
 #:   ``onecycle-ddp`` from best/4 and the best LR, 4 points worse on ``megatron-8x`` from 4x.
+#: * ``"hold_first"``: the warm-up hold at a process's first converge too. With no previous
+#:   converge its evidence is the base schedule's value at the schedule's first step
+#:   (``start_values``, from the runtime): a window that ends inside a warm-up does not rise,
+#:   the first included (the defaults' hold cannot act there, and the first window's line says
+#:   "higher" from every guess on the tuning tasks, BENCHMARKS 3m).
 #:
 #: The line scored wider than the arms train, measured as the prototype ``"wide_line"`` (BENCHMARKS
 #: 3j, 3l), is the config field ``HDETConfig.line_width`` now (the benchmark's ``wline`` rows set
@@ -151,6 +156,7 @@ KNOWN_PROTOTYPES = frozenset(
         "no_warmup_hold",
         "expand_clip",
         "rise_carry_free",
+        "hold_first",
     }
 )
 
@@ -475,6 +481,7 @@ class AutoController:
         line: LineFit | None = None,
         train_losses: Sequence[float] | None = None,
         peak_values: Mapping[str, float] | None = None,
+        start_values: Mapping[str, float] | None = None,
     ) -> ControllerUpdate:
         """One converge: weigh the arms by their window losses and move every axis.
 
@@ -482,7 +489,8 @@ class AutoController:
         step its standard error. ``train_losses``: each arm's mean training loss over the window
         (the brake's evidence; ``arm_losses`` with ``signal="train"`` when not given).
         ``peak_values[axis]``: the base schedule's largest value from ``step`` to its end (only
-        the ``warmup_peak`` prototype reads it).
+        the ``warmup_peak`` prototype reads it). ``start_values[axis]``: the base schedule's value
+        at its first step (only the ``hold_first`` prototype reads it).
 
         ``arm_losses[r]``: arm r's mean training loss over the window. ``arm_spreads[axis][r]``:
         the multiplier (or additive offset) arm r used on that axis in the window.
@@ -560,6 +568,8 @@ class AutoController:
         # Warm-up hold: the base LR rose since the last converge (none before a process's first).
         warmup_hold = (cfg.warmup_hold or "hold_warmup" in PROTOTYPES) and "no_warmup_hold" not in PROTOTYPES
         previous_bases = self.last_bases
+        if "hold_first" in PROTOTYPES and not previous_bases:
+            previous_bases = dict(start_values or {})
         deltas: dict[str, float] = {}
         raw_deltas: dict[str, float] = {}
         confidence: dict[str, float] = {}

@@ -246,6 +246,9 @@ class _Runtime(WindowAdapter):
         assert self.peak_lrs_from is not None  # set by HDETOneCycleLR with base_lrs_at
         return self._per_axis(self.peak_lrs_from(step))
 
+    def start_values(self) -> dict[str, float]:
+        return self._per_axis(self._base_lrs(0))
+
     def average(self, weight: float | None) -> AverageStats | None:
         if self.averager is None:
             return None

@@ -236,6 +236,11 @@ class WindowAdapter:
         ``warmup_peak`` controller prototype; not called otherwise)."""
         raise NotImplementedError
 
+    def start_values(self) -> dict[str, float]:
+        """Every axis's base value at the schedule's first step (the ``hold_first`` controller
+        prototype; not called otherwise)."""
+        raise NotImplementedError
+
     def average(self, weight: float | None) -> AverageStats | None:
         """Average the arms' tensors (``weight``: this replica's, when some arm is excluded)."""
         raise NotImplementedError
@@ -503,6 +508,9 @@ class WindowEngine:
                     train_losses=train,
                     peak_values=(
                         adapter.peak_values(step) if "warmup_peak" in controller_module.PROTOTYPES else None
+                    ),
+                    start_values=(
+                        adapter.start_values() if "hold_first" in controller_module.PROTOTYPES else None
                     ),
                 )
             except AllArmsNonFinite:

@@ -313,3 +313,34 @@ def test_rise_carry_free_keeps_momentum_for_descents_only(prototypes):
     assert scales([up, down]) == pytest.approx([1.6, 1.6 * math.exp(ld / 2)])
     # Descents keep the momentum: the second of two carries half the first's velocity.
     assert scales([down, down]) == pytest.approx([math.exp(ld / 2), math.exp(ld / 2 + ld / 4 + ld / 2)])
+
+
+def test_hold_first_holds_a_first_window_that_ends_inside_a_warm_up(prototypes):
+    line = _line([1.6] * 4)  # "higher" every window
+    cfg = HDETConfig(period=10, signal="average", start_scale=1.0, brake=False, momentum=0.0)
+
+    def scales(bases: list[float], start: float) -> list[float]:
+        ctl = AutoController(cfg, 4, probe_available=True)
+        out = []
+        for k, base in enumerate(bases):
+            ctl.update(
+                line.pseudo_losses,
+                {"lr": RHO},
+                step=10 * (k + 1),
+                base_values={"lr": base},
+                line=line,
+                start_values={"lr": start},
+            )
+            out.append(ctl.scale("lr"))
+        return out
+
+    warm_up = [1e-4, 2e-4, 2e-4]  # rising from 0, then flat
+    assert scales(warm_up, start=0.0) == pytest.approx([1.6, 1.6, 1.6**2])  # the defaults
+    prototypes.add("hold_first")
+    assert scales(warm_up, start=0.0) == pytest.approx([1.0, 1.0, 1.6])
+    # No warm-up (the schedule starts at its first window's value): the first window rises.
+    assert scales([2e-4, 2e-4], start=2e-4) == pytest.approx([1.6, 1.6**2])
+    # Without start values (a runtime that gave none) the defaults' evidence is all there is.
+    ctl = AutoController(cfg, 4, probe_available=True)
+    ctl.update(line.pseudo_losses, {"lr": RHO}, step=10, base_values={"lr": 1e-4}, line=line)
+    assert ctl.scale("lr") == pytest.approx(1.6)

@@ -71,3 +71,17 @@ def test_peak_values_are_the_largest_base_lr_to_come(style):
             ref.step(1)
         assert ours.peak_values() == {"lr": max(future)}
         assert ours.num_steps == now
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine", "WSD"])
+def test_start_values_are_the_schedules_first_value(style):
+    """The ``hold_first`` prototype's input: Megatron's ``get_lr`` before any step, asked later;
+    ``num_steps`` is left as it was."""
+    extra = {"wsd_decay_steps": 300, "lr_wsd_decay_style": "linear"} if style == "WSD" else {}
+    ref, _, ours, _ = cases.pair(cases.NEUTRAL, lr_decay_style=style, **extra)
+    first = ref.get_lr({})
+    ours.step(250)
+    start = ours.start_values()
+    assert start["lr"] == first
+    assert start["weight_decay"] == ref.get_wd()
+    assert ours.num_steps == 250
