@@ -4,7 +4,8 @@ line's), ``jackknife_unclipped`` (a confidence that cannot reach 1 only because 
 replica's fit was clipped), ``hold_warmup``, ``no_momentum``, and ``slope_gate``/``slope_guard``
 (the arms' training-loss slope on log LR vetoes rises / steps the LR down), ``half_lag``,
 ``warmup_cap`` and ``warmup_peak`` (a warm-up rise bounded by the schedule's peak), ``expand_clip``
-(a trust region for the LR step) and ``rise_carry_free`` (momentum for descents only)."""
+(a trust region for the LR step), ``rise_carry_free`` (momentum for descents only) and
+``hold_first`` (the warm-up hold at the first converge)."""
 
 from __future__ import annotations
 
