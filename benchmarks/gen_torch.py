@@ -150,6 +150,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="HDET modes: HDETConfig.line_width (default: the line at the arms' own multipliers)",
     )
+    p.add_argument(
+        "--no-warmup-hold",
+        dest="warmup_hold",
+        action="store_false",
+        help="HDET modes: HDETConfig(warmup_hold=False) (default: the hold on)",
+    )
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--run-dir", required=True)
     return p.parse_args(argv)
@@ -229,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
             hdet = dataclasses.replace(hdet, axes=(Axis("lr", args.spread),))
         if args.line_width is not None:
             hdet = dataclasses.replace(hdet, line_width=args.line_width)
+        if not args.warmup_hold:
+            hdet = dataclasses.replace(hdet, warmup_hold=False)
         if args.mode == "hdet-fixed":
             hdet = dataclasses.replace(hdet, meta_lr=0.0, start_scale=1.0, brake=False)
         assert shape is not None

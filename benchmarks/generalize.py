@@ -75,6 +75,8 @@ class Variant:
     """Auto-LR on (False: spread and converge only)."""
     line_width: float | None = None
     """``HDETConfig.line_width`` (``--line-width`` / ``--hdet-line-width``; None: the default)."""
+    warmup_hold: bool = True
+    """``HDETConfig.warmup_hold`` (False: ``--no-warmup-hold`` / ``--no-hdet-warmup-hold``)."""
 
 
 #: ``wline``/``narrow``/``offn``: the narrow training spread (3j).
@@ -100,7 +102,7 @@ VARIANTS: dict[str, Variant] = {
     "hlag": Variant(("half_lag",)),
     "wcap": Variant(("warmup_cap",)),
     "wpeak": Variant(("warmup_peak",)),
-    "nohold": Variant(("no_warmup_hold",)),
+    "nohold": Variant(warmup_hold=False),  # the prototype no_warmup_hold's controller updates
     "xclip": Variant(("expand_clip",)),
     "riseraw": Variant(("rise_carry_free",)),
     "holdfirst": Variant(("hold_first",)),
@@ -367,6 +369,8 @@ def command(task: Task, run: Run, seed: int, data_prefix: str, eval_iters: int) 
             sets.append(f"--spread={variant.spread:g}")
         if variant.line_width is not None:
             sets.append(f"--line-width={variant.line_width:g}")
+        if not variant.warmup_hold:
+            sets.append("--no-warmup-hold")
         return [TORCH_WORKER, "--mode", mode, "--lr", f"{run.lr:.6g}", *torch_base(task, seed), *sets]
     base = megatron_base(task, seed, data_prefix, eval_iters)
     if run.group == "proto":
@@ -374,7 +378,8 @@ def command(task: Task, run: Run, seed: int, data_prefix: str, eval_iters: int) 
         flags += [] if variant.spread is None else ["--hdet-spread", f"{variant.spread:g}"]
         flags += [] if variant.line_width is None else ["--hdet-line-width", f"{variant.line_width:g}"]
         flags += [] if variant.auto else ["--no-hdet-auto"]
-        if not variant.prototypes:  # another spread or line width only: the example itself
+        flags += [] if variant.warmup_hold else ["--no-hdet-warmup-hold"]
+        if not variant.prototypes:  # config fields only (spread, line width, ...): the example itself
             return [quality.SCRIPT, *base, *flags]
         # The example with the variant's prototypes switched on (benchmark only).
         return [MEGATRON_LAUNCHER, *sets, "--", *base, *flags]

@@ -140,6 +140,27 @@ def test_prototype_rows_switch_the_prototypes_on_in_the_launchers():
     assert set(g.VARIANTS["lagjk"].prototypes) <= g_controller_known()
 
 
+def test_nohold_rows_switch_the_warmup_hold_off_by_the_config_on_both_paths():
+    nohold = next(r for r in g.method_runs(2e-3, ["nohold"]) if r.row == "nohold-x1")
+    assert not nohold.variant.warmup_hold and not nohold.variant.prototypes
+    torch_cmd = g.command(g.TASKS["onecycle-ddp"], nohold, 1, "", 20)
+    assert torch_cmd[torch_cmd.index("--mode") + 1] == "hdet" and torch_cmd[-1] == "--no-warmup-hold"
+    assert not any(c.startswith("--prototype") for c in torch_cmd)
+    meg = g.command(g.TASKS["megatron-8x"], nohold, 1, "P", 20)
+    assert meg[0] == g.quality.SCRIPT and "--no-hdet-warmup-hold" in meg  # the example's own flag
+    assert not any(c.startswith("--prototype") for c in meg)
+    # Both flags parse to HDETConfig(warmup_hold=False).
+    import argparse
+
+    import gen_torch
+
+    from hdet_megatron.args import add_hdet_args
+
+    assert not gen_torch.parse([*torch_cmd[1:], "--run-dir", "R"]).warmup_hold
+    hdet_args, _ = add_hdet_args(argparse.ArgumentParser()).parse_known_args(meg[1:])
+    assert not hdet_args.hdet_warmup_hold
+
+
 def test_variant_rows_may_train_with_another_spread_or_auto_off():
     wline, offn = (
         next(r for r in g.method_runs(2e-3, [name]) if r.row == f"{name}-x1") for name in ("wline", "offn")
