@@ -79,102 +79,18 @@ NEWTON_MAX_STEP = 2.0
 #: Issue 35's prototypes, off unless a benchmark switches them on in its own process (not API:
 #: they are measured on the tuning tasks before any becomes a config field):
 #:
-#: * ``"average_lag"`` (``signal="average"`` with ``newton``): the averaged line is scored at
-#:   ``theta0 - s * mean_t D_t``, which under steady drift is the end line's point ``r * s``
-#:   (:func:`average_lag`); the step targets the end line's minimum, ``r`` times the averaged
-#:   line's, instead of the averaged line's, which sits about 2x above it;
-#: * ``"jackknife_unclipped"`` (noise-aware steps): the jackknife and the confidence use steps
-#:   bounded at :data:`JACKKNIFE_MAX_STEP` instead of the rule's 2x, so replicas whose fits all
-#:   land past the 2x bound still differ by what they imply (se 0 / confidence 1 only because every
-#:   fit was clipped is the collapse this removes).
-PROTOTYPES: set[str] = set()
-#: * ``"measured_lag"``: as ``"average_lag"`` with the window's measured ratio ``LineFit.lag``
-#:   (``<mean_t D_t, D_T> / <D_T, D_T>`` from the runtime's line search: smaller than the steady
-#:   drift's while the LR warms up), the steady-drift ``r`` where none was measured.
-#: * ``"hold_warmup"``: the warm-up hold whatever ``HDETConfig.warmup_hold`` says (the prototype
-#:   of that field, kept so that the benchmark rows measured with it before it existed can be rerun).
-#: * ``"no_momentum"``: the LR steps without momentum (``momentum`` read as 0): a climb stops
-#:   where the line's step crosses zero instead of carrying past it.
-#: * ``"slope_gate"``: the LR scales may not rise while the arms' window training losses, fitted
-#:   against log LR multiplier (least squares) and averaged over windows (EWMA weight
-#:   :data:`SLOPE_EWMA`), rise with the LR: the high arms' lasting deficit is the sign evidence the
-#:   line lacks (at a fixed LR it crosses 0 near the best sweep LR, BENCHMARKS 3g).
-#: * ``"slope_guard"``: while that averaged slope is above :data:`SLOPE_Z` of its standard errors
-#:   the LR steps down by at least :data:`SLOPE_GUARD_STEP` (log) per window: a stable over-LR that
-#:   neither a spike nor the line sees.
-#: * ``"half_lag"``: as ``"average_lag"`` with ``sqrt(r)``: the target halfway, in log LR, between
-#:   the averaged line's minimum (the defaults: a fixed point at 2.3-4.5x the best sweep LR on the
-#:   tuning tasks) and the end line's (``average_lag``: 0.3-0.9x), BENCHMARKS 3e.
-#: * ``"warmup_cap"``: instead of the warm-up hold's "no rise", a rise during the warm-up may
-#:   bring an LR scale back up to 1 (the user's own LR) but not past it: a low guess is not kept
-#:   at the slow start's quarter through the warm-up (the hold's cost, BENCHMARKS 3h).
-#: * ``"warmup_peak"`` (``newton``): instead of the warm-up hold's "no rise", a rise during the
-#:   warm-up may go as far as puts the schedule's *peak* at the LR the window's line prefers *now*
-#:   (``c * mean window base / peak * exp(step)``, ``peak_values`` from the runtime), no further.
-#:   Inside a warm-up the line compares the arms at the current, lower LR, so it says "higher"
-#:   at any guess; what it prefers now is a lower bound of what the peak may be (a warm-up exists
-#:   because the best LR grows while the model is young), so a rise that keeps the peak below it
-#:   cannot overshoot by the line's own evidence. Measured and rejected (BENCHMARKS 3i): near and
-#:   above the best LR the late warm-up's line still prefers more (the ``average`` line's upward
-#:   bias), so a high guess climbs too.
-#: * ``"no_warmup_hold"``: the warm-up hold off whatever ``HDETConfig.warmup_hold`` says (the
-#:   defaults before it, as benchmark rows beside the defaults).
-#: * ``"expand_clip"`` (``newton``): a trust region for the LR step. A window whose step was taken
-#:   at the bound (the line's minimum past it) doubles the bound of the next window's step, up to
-#:   :data:`EXPAND_MAX_STEP`; a step inside the bound, one the other way, a brake or a hold
-#:   resets it to :data:`NEWTON_MAX_STEP`. A guess far below the best LR (1/16 of it after the
-#:   slow start from a quarter) then climbs in 3 windows instead of 5; the fixed point, where the
-#:   step crosses 0, is the defaults'. Rejected (BENCHMARKS 3m): the faster climb carries further
-#:   past that point.
-#: * ``"rise_carry_free"``: the momentum carries descents only. A window whose step is up moves
-#:   by its own step (``v = Delta``, as ``no_momentum``); one whose step is down by
-#:   ``beta min(v, 0) + (1 - beta) Delta``, so a rise's velocity never carries into a window
-#:   whose evidence is down, while a descent keeps the defaults' momentum (without it the descent
-#:   from a high guess was too slow, BENCHMARKS 3f). Rejected (BENCHMARKS 3m): better on
-#:   ``onecycle-ddp`` from best/4 and the best LR, 4 points worse on ``megatron-8x`` from 4x.
 #: * ``"hold_first"``: the warm-up hold at a process's first converge too. With no previous
 #:   converge its evidence is the base schedule's value at the schedule's first step
 #:   (``start_values``, from the runtime): a window that ends inside a warm-up does not rise,
 #:   the first included (the defaults' hold cannot act there, and the first window's line says
 #:   "higher" from every guess on the tuning tasks, BENCHMARKS 3m).
 #:
-#: The line scored wider than the arms train, measured as the prototype ``"wide_line"`` (BENCHMARKS
-#: 3j, 3l), is the config field ``HDETConfig.line_width`` now (the benchmark's ``wline`` rows set
-#: it; bit-identical to the prototype's runs).
-KNOWN_PROTOTYPES = frozenset(
-    {
-        "average_lag",
-        "jackknife_unclipped",
-        "measured_lag",
-        "hold_warmup",
-        "no_momentum",
-        "slope_gate",
-        "slope_guard",
-        "half_lag",
-        "warmup_cap",
-        "warmup_peak",
-        "no_warmup_hold",
-        "expand_clip",
-        "rise_carry_free",
-        "hold_first",
-    }
-)
-
-#: ``slope_gate``/``slope_guard``: EWMA weight of a window's training-loss slope (about the last
-#: 1/SLOPE_EWMA windows count), the windows seen before either may act, the guard's bar in
-#: standard errors of the averaged slope and its least log step down per window.
-SLOPE_EWMA = 0.25
-SLOPE_MIN_WINDOWS = 3
-SLOPE_Z = 2.0
-SLOPE_GUARD_STEP = 0.35
-
-#: ``jackknife_unclipped``: the bound of the steps the jackknife compares (a factor), wide enough
-#: that fits past :data:`NEWTON_MAX_STEP` still differ, narrow enough that a near-flat fit's
-#: far-away minimum does not swamp the standard error.
-JACKKNIFE_MAX_STEP = 16.0
-
-#: ``expand_clip``: the largest bound (a factor) the trust region grows to.
-EXPAND_MAX_STEP = 8.0
+#: The prototypes measured and rejected before it (BENCHMARKS 3e-3m) were removed from the code;
+#: their rows rerun at commit b3a601d. The line scored wider than the arms train, measured as the
+#: prototype ``"wide_line"`` (BENCHMARKS 3j, 3l), is the config field ``HDETConfig.line_width``
+#: now, and the defaults before the warm-up hold are ``HDETConfig(warmup_hold=False)``.
+PROTOTYPES: set[str] = set()
+KNOWN_PROTOTYPES = frozenset({"hold_first"})
 
 #: The brake needs a spike or rise this many times the window's noise (the spread of the other
 #: arms' training losses) besides its relative threshold: noise alone must not cut the LR.
@@ -281,18 +197,9 @@ def softmax_weights(
     return weights, excluded, sigma
 
 
-def _newton_delta(
-    values: Sequence[float],
-    losses: Sequence[float],
-    center: float,
-    additive: bool,
-    lag: float = 1.0,
-    bound: float = NEWTON_MAX_STEP,
-) -> float:
+def _newton_delta(values: Sequence[float], losses: Sequence[float], center: float, additive: bool) -> float:
     """``rule="newton"``'s Delta from the finite arms' ``(value, loss)`` pairs, relative to the
-    centre of all arms' values (0 with fewer than 3 distinct values: no quadratic). ``lag``
-    multiplies a multiplicative target (the ``average_lag`` prototype); ``bound`` is the largest
-    factor allowed."""
+    centre of all arms' values (0 with fewer than 3 distinct values: no quadratic)."""
     if len(set(values)) < 3:
         return 0.0
     lo, hi = min(values), max(values)
@@ -306,18 +213,12 @@ def _newton_delta(
         return min(max(target - center, -span), span)
     if center <= 0:
         return 0.0
-    factor = lag * target / center if target > 0 else 0.0
-    factor = min(max(factor, 1.0 / bound), bound)
+    factor = target / center if target > 0 else 0.0
+    factor = min(max(factor, 1.0 / NEWTON_MAX_STEP), NEWTON_MAX_STEP)
     return math.log(factor)
 
 
-def _newton_delta_of(
-    values: Sequence[float],
-    losses: Sequence[float],
-    additive: bool,
-    lag: float = 1.0,
-    bound: float = NEWTON_MAX_STEP,
-) -> float:
+def _newton_delta_of(values: Sequence[float], losses: Sequence[float], additive: bool) -> float:
     """:func:`_newton_delta` over the arms whose loss is finite, centred on all arms' values."""
     keep = [r for r in range(len(values)) if math.isfinite(losses[r])]
     return _newton_delta(
@@ -325,15 +226,7 @@ def _newton_delta_of(
         [losses[r] for r in keep],
         center=math.fsum(values) / len(values),
         additive=additive,
-        lag=lag,
-        bound=bound,
     )
-
-
-def average_lag(period: int) -> float:
-    """``r = (T + 1) / (2 T)``: under steady drift the window-averaged displacement
-    ``mean_{t=1..T} D_t`` is ``r`` times the end displacement ``D_T`` (``D_t = (t / T) D_T``)."""
-    return (period + 1) / (2 * period)
 
 
 def _is_lr(axis: Axis) -> bool:
@@ -480,7 +373,6 @@ class AutoController:
         *,
         line: LineFit | None = None,
         train_losses: Sequence[float] | None = None,
-        peak_values: Mapping[str, float] | None = None,
         start_values: Mapping[str, float] | None = None,
     ) -> ControllerUpdate:
         """One converge: weigh the arms by their window losses and move every axis.
@@ -488,9 +380,8 @@ class AutoController:
         ``line``: the window's line fit (line signals), whose replica rows give the noise-aware
         step its standard error. ``train_losses``: each arm's mean training loss over the window
         (the brake's evidence; ``arm_losses`` with ``signal="train"`` when not given).
-        ``peak_values[axis]``: the base schedule's largest value from ``step`` to its end (only
-        the ``warmup_peak`` prototype reads it). ``start_values[axis]``: the base schedule's value
-        at its first step (only the ``hold_first`` prototype reads it).
+        ``start_values[axis]``: the base schedule's value at its first step (only the
+        ``hold_first`` prototype reads it).
 
         ``arm_losses[r]``: arm r's mean training loss over the window. ``arm_spreads[axis][r]``:
         the multiplier (or additive offset) arm r used on that axis in the window.
@@ -532,41 +423,13 @@ class AutoController:
         # resolve() (in __init__) filled both.
         assert cfg.meta_lr is not None and cfg.momentum is not None
         meta_lr, momentum = cfg.meta_lr, cfg.momentum
-        if "no_momentum" in PROTOTYPES:
-            momentum = 0.0
         unknown = PROTOTYPES - KNOWN_PROTOTYPES
         if unknown:
             raise ValueError(
                 f"unknown controller prototypes {sorted(unknown)}; known: {sorted(KNOWN_PROTOTYPES)}"
             )
-        lag = 1.0
-        if cfg.signal == "average" and PROTOTYPES & {"average_lag", "measured_lag"}:
-            measured = line.lag if line is not None and "measured_lag" in PROTOTYPES else None
-            lag = measured if measured is not None and measured > 0 else average_lag(cfg.period)
-        elif cfg.signal == "average" and "half_lag" in PROTOTYPES:
-            lag = math.sqrt(average_lag(cfg.period))
-        unclipped = "jackknife_unclipped" in PROTOTYPES
-        expand = "expand_clip" in PROTOTYPES and cfg.rule == "newton"
-        # Prototype state (not checkpointed): the "lr" step's bound and the sign of the last step
-        # taken at it; the next window's, (NEWTON_MAX_STEP, 0) unless this one grows it.
-        unset = (NEWTON_MAX_STEP, 0)
-        lr_bound, bound_sign = getattr(self, "_prototype_bound", unset) if expand else unset
-        next_bound = unset
-
-        def toward(d: float) -> float:
-            """A step against the grown bound's direction gets the rule's own bound (a reversal
-            says the last steps went far enough)."""
-            edge = math.log(NEWTON_MAX_STEP)
-            return min(max(d, -edge), edge) if d * bound_sign < 0 else d
-
-        slope_gate = slope_guard = False
-        if PROTOTYPES & {"slope_gate", "slope_guard"} and move:
-            mean, se, seen = self._prototype_slope(train, spreads)
-            ready = seen >= SLOPE_MIN_WINDOWS
-            slope_gate = ready and "slope_gate" in PROTOTYPES and mean > 0.0
-            slope_guard = ready and "slope_guard" in PROTOTYPES and mean > SLOPE_Z * se
-        # Warm-up hold: the base LR rose since the last converge (none before a process's first).
-        warmup_hold = (cfg.warmup_hold or "hold_warmup" in PROTOTYPES) and "no_warmup_hold" not in PROTOTYPES
+        # Warm-up hold: the base LR rose since the last converge (none before a process's first,
+        # unless the hold_first prototype compares the first with the schedule's start).
         previous_bases = self.last_bases
         if "hold_first" in PROTOTYPES and not previous_bases:
             previous_bases = dict(start_values or {})
@@ -587,10 +450,7 @@ class AutoController:
                 # Equal weights carry no information: exactly 0 (no drift from rounding).
                 delta = 0.0
             elif cfg.rule == "newton":
-                if name == "lr":
-                    delta = toward(_newton_delta_of(values, losses, axis.additive, lag=lag, bound=lr_bound))
-                else:
-                    delta = _newton_delta_of(values, losses, axis.additive)
+                delta = _newton_delta_of(values, losses, axis.additive)
             else:
                 center = math.fsum(values) / len(values)
                 # sum_r w_r (x_r - mean): for the linear spread x_r - 1 is exact, so a neutral
@@ -599,15 +459,10 @@ class AutoController:
             raw_deltas[name] = delta
             if name == "lr" and jackknife and not uniform:
                 # Leave-one-replica-out steps; se^2 = (n-1)/n sum (d_i - mean)^2 (jackknife).
-                bound = JACKKNIFE_MAX_STEP if unclipped else lr_bound
-                ds = [
-                    toward(_newton_delta_of(values, fit.pseudo_losses, False, lag, bound))
-                    for fit in jackknife
-                ]
+                ds = [_newton_delta_of(values, fit.pseudo_losses, False) for fit in jackknife]
                 mean = math.fsum(ds) / len(ds)
                 se = math.sqrt((len(ds) - 1) / len(ds) * math.fsum((d - mean) ** 2 for d in ds))
-                d = _newton_delta_of(values, losses, False, lag, bound) if unclipped else delta
-                conf = d * d / (d * d + se * se) if d != 0.0 else 0.0
+                conf = delta * delta / (delta * delta + se * se) if delta != 0.0 else 0.0
                 step_se[name], confidence[name] = se, conf
                 delta *= conf
             deltas[name] = delta
@@ -619,48 +474,12 @@ class AutoController:
                 new_scale[name] = self._clamp(c * cfg.brake_factor)
                 continue
             v = momentum * self._velocity[name] + (1.0 - momentum) * delta
-            if "rise_carry_free" in PROTOTYPES and _is_lr(axis):
-                v = (
-                    delta
-                    if delta > 0
-                    else momentum * min(self._velocity[name], 0.0) + (1.0 - momentum) * delta
-                )
             if self.hold and _is_lr(axis) and v > 0:
                 v = 0.0  # held after a brake: no rise yet
             warming = name in bases and bases[name] > previous_bases.get(name, math.inf)
-            capped = "warmup_cap" in PROTOTYPES and _is_lr(axis) and warming and v > 0
-            peak = (peak_values or {}).get(name)
-            peaked = (
-                "warmup_peak" in PROTOTYPES
-                and cfg.rule == "newton"
-                and _is_lr(axis)
-                and warming
-                and v > 0
-                and peak is not None
-                and peak > 0.0
-                and meta_lr > 0
-            )
-            if peaked:
-                assert peak is not None
-                # The LR the window trained at (its base, averaged over the window, times c) moved
-                # by the line's step is what the line prefers now; the peak may reach it.
-                window_base = 0.5 * (previous_bases[name] + bases[name])
-                allowed = math.log(max(c * window_base / peak * math.exp(delta), c) / c)
-                v = min(v, allowed / meta_lr)
-            if warmup_hold and _is_lr(axis) and warming and v > 0 and not capped and not peaked:
+            if cfg.warmup_hold and _is_lr(axis) and warming and v > 0:
                 v = 0.0
-            if slope_gate and _is_lr(axis) and v > 0:
-                v = 0.0
-            if slope_guard and _is_lr(axis):
-                v = min(v, -SLOPE_GUARD_STEP / meta_lr) if meta_lr > 0 else v
             new_velocity[name] = v
-            if expand and name == "lr":
-                raw = raw_deltas[name]
-                sign = (raw > 0) - (raw < 0)
-                # Taken at the bound (the line's minimum was past it and the step went that way),
-                # not a reversal: the next window's bound grows.
-                if sign != -bound_sign and abs(raw) >= math.log(lr_bound) - 1e-12 and v * raw > 0:
-                    next_bound = (min(lr_bound * NEWTON_MAX_STEP, EXPAND_MAX_STEP), sign)
             if axis.additive:
                 new_scale[name] = self._bound_shift(axis, c + meta_lr * v, base)
             elif cfg.rule == "newton":
@@ -673,8 +492,6 @@ class AutoController:
                     new_scale[name] = self._clamp((base * c + meta_lr * v) / base)
             else:
                 new_scale[name] = self._clamp(c * (1.0 + meta_lr * v))
-            if capped:
-                new_scale[name] = min(new_scale[name], max(c, 1.0))
 
         update = ControllerUpdate(
             window=self.window,
@@ -693,8 +510,6 @@ class AutoController:
             brake=brake,
         )
         # Commit only after everything above succeeded.
-        if expand and move:
-            self._prototype_bound = next_bound
         self._scale = new_scale
         self._velocity = new_velocity
         self.last_bases = bases
@@ -705,33 +520,6 @@ class AutoController:
         self._track_losses(train, spreads, stats, braked=brake is not None)
         update.hold = self.hold
         return update
-
-    def _prototype_slope(
-        self, train: Sequence[float], spreads: Mapping[str, Sequence[float]]
-    ) -> tuple[float, float, int]:
-        """``slope_gate``/``slope_guard``: fold this window's slope of the arms' training loss on
-        log LR multiplier into an EWMA; return its mean, standard error and the windows seen.
-        Prototype state, not checkpointed (it is rebuilt within SLOPE_MIN_WINDOWS windows)."""
-        mean, var, seen = getattr(self, "_prototype_slope_state", (0.0, 0.0, 0))
-        order = self._lr_order(train, spreads)
-        xs = [math.log(spreads[self._lr_axis][r]) for r in order] if self._lr_axis else []
-        if len(xs) >= 3 and max(xs) > min(xs):
-            mx = math.fsum(xs) / len(xs)
-            my = math.fsum(train[r] for r in order) / len(xs)
-            b = math.fsum((x - mx) * (train[r] - my) for x, r in zip(xs, order, strict=True)) / math.fsum(
-                (x - mx) ** 2 for x in xs
-            )
-            weight = max(1.0 / (seen + 1), SLOPE_EWMA)
-            deviation = b - mean
-            mean += weight * deviation
-            var = (1.0 - weight) * (var + weight * deviation * deviation)
-            seen += 1
-            self._prototype_slope_state = (mean, var, seen)
-        # An EWMA of iid values with weight a has variance var * a / (2 - a); the running mean
-        # of the first windows has var / n.
-        weight = max(1.0 / max(seen, 1), SLOPE_EWMA)
-        se = math.sqrt(var * weight / (2.0 - weight)) if seen > 1 else math.inf
-        return mean, se, seen
 
     def _history_bar(self, name: str) -> float:
         """HISTORY_Z times the RMS of the brake statistic ``name`` over past windows (0 before

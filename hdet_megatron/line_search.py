@@ -89,27 +89,6 @@ class LineSearch:
         self.steps += 1
 
     @torch.no_grad()
-    def lag_terms(self) -> torch.Tensor | None:
-        """``"average"``: this rank's ``(<mean_t D_t, D_T>, <D_T, D_T>)`` in float64 on the params'
-        device, with ``D_T = theta_arm - theta0`` (the arm's end displacement) and
-        ``mean_t D_t = total / steps`` (its window-averaged one); the arm's multiplier cancels in
-        their ratio. Summed over the ranks that hold the model's parts, the ratio says how far
-        along the line the averaged iterate sits (1/2 under steady drift, less while the LR
-        warms up). None for ``"line"`` or an empty window; zeros where the params are not finite.
-        Device-side, no host sync."""
-        if self.total is None or self.steps == 0:
-            return None
-        params = self.params()
-        device = params[0].device if params else torch.device("cpu")
-        out = torch.zeros(2, dtype=torch.float64, device=device)
-        for p, p0, total in zip(params, self.origin, self.total, strict=True):
-            end = (p - p0).reshape(-1)
-            out[0] += torch.dot(total.reshape(-1).double(), end.double()) / self.steps
-            out[1] += torch.dot(end.double(), end.double())
-        # A diverged arm's terms are left out (zeros), not summed into everyone's ratio as NaN.
-        return torch.where(torch.isfinite(out).all(), out, torch.zeros_like(out))
-
-    @torch.no_grad()
     def evaluate(
         self,
         points: Sequence[float],

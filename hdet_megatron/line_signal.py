@@ -67,9 +67,6 @@ class LineFit:
     replicas: list[list[float]] = field(default_factory=list)
     """Each replica's own loss at every point (rows of healthy replicas; :attr:`losses` is their
     mean): their spread is the fit's noise (:func:`jackknife_fits`)."""
-    lag: float | None = None
-    """``"average"``: the window's measured ``<mean_t D_t, D_T> / <D_T, D_T>``, where along the end
-    line the averaged iterates sit (None when not measured)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

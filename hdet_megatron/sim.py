@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -501,7 +501,6 @@ def simulate_budget(
     replicas = arms * replicas_per_arm
     best_peak, best_loss = budget_best_peak_lr(problem, steps, replicas)
     base = problem.schedule(steps, best_peak * start_scale)
-    peaks = np.maximum.accumulate(base[::-1])[::-1]  # peaks[t]: the largest base LR from step t on
     h = problem.curvatures()
     rng = np.random.default_rng(seed)
     controller = AutoController(config, arms)
@@ -556,10 +555,6 @@ def simulate_budget(
             rows = exact[None, :] + problem.probe_noise * side_rng.standard_normal((replicas, len(points)))
             kappa = persistence(base[t - 1], base[-1]) if config.signal == "line" else 1.0
             line = fit_line(points, rows.mean(axis=0).tolist(), rho.tolist(), kappa, rows.tolist())
-            if config.signal == "average":  # what the runtime measures (LineSearch.lag_terms)
-                norm = float(update @ update)
-                lag = float((update_sum / length) @ update) / norm if norm > 0 else None
-                line = replace(line, lag=lag)
             losses = np.asarray(line.pseudo_losses)
         updates.append(
             controller.update(
@@ -568,7 +563,6 @@ def simulate_budget(
                 t,
                 base_values={"lr": float(base[t - 1])},
                 line=line,
-                peak_values={"lr": float(peaks[t - 1])},
                 train_losses=train_losses.tolist(),
             )
         )

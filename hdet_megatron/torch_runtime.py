@@ -100,9 +100,6 @@ class _Runtime(WindowAdapter):
         self.acc_dtype = torch.float32 if self.device.type == "mps" else torch.float64
         self.base_lrs_at: Callable[[int], list[float]] | None = None
         """The scheduler's base LR of every param group at a step (set by ``HDETOneCycleLR``)."""
-        self.peak_lrs_from: Callable[[int], list[float]] | None = None
-        """Every group's largest base LR from a step to the schedule's end (set with
-        ``base_lrs_at``; the ``warmup_peak`` prototype)."""
         self.total_steps = 0
         """The schedule's length (set by ``HDETOneCycleLR``)."""
         self.spread_cache: tuple[int, dict[str, list[float]]] = (-1, {})
@@ -200,7 +197,7 @@ class _Runtime(WindowAdapter):
         return probe_scalar(raw, self.device, self.acc_dtype)
 
     def reduce(
-        self, *, train_sum, train_count, probe, points, num_points, finite, fingerprint, lag_terms
+        self, *, train_sum, train_count, probe, points, num_points, finite, fingerprint
     ) -> WindowLosses:
         """The window's one small all-reduce over ``group`` (one host sync): every rank is a loss
         reporter (:func:`hdet_megatron.window_losses.reduce_window`)."""
@@ -220,7 +217,6 @@ class _Runtime(WindowAdapter):
             num_points=num_points,
             finite=finite,
             fingerprint=fingerprint,
-            lag_terms=lag_terms,
         )
 
     def _base_lrs(self, step: int) -> list[float]:
@@ -241,10 +237,6 @@ class _Runtime(WindowAdapter):
 
     def base_values(self, step: int) -> dict[str, float]:
         return self._per_axis(self._base_lrs(step))  # the base schedule at the next window's first step
-
-    def peak_values(self, step: int) -> dict[str, float]:
-        assert self.peak_lrs_from is not None  # set by HDETOneCycleLR with base_lrs_at
-        return self._per_axis(self.peak_lrs_from(step))
 
     def start_values(self) -> dict[str, float]:
         return self._per_axis(self._base_lrs(0))

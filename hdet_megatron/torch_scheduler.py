@@ -36,7 +36,6 @@ With ``hdet=None`` (or one rank, spread 0 and the controller off) it is exactly 
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from collections.abc import Sequence
 from typing import Any, Literal, cast
@@ -158,7 +157,6 @@ class HDETOneCycleLR(OneCycleLR):
         )
         if self._hdet is not None:
             self._hdet.base_lrs_at = self._base_lrs_at
-            self._hdet.peak_lrs_from = self._peak_lrs_from
             self._hdet.total_steps = self.total_steps
         if self._hdet is not None and last_epoch == -1:
             caution = short_run_caution(self._hdet.config, self.total_steps)
@@ -180,20 +178,6 @@ class HDETOneCycleLR(OneCycleLR):
         anneal = self._anneal()
         phase, pct = phase_at(self._schedule_phases, min(step, self.total_steps))
         return [anneal(g[phase["start_lr"]], g[phase["end_lr"]], pct) for g in self.optimizer.param_groups]
-
-    def _peak_lrs_from(self, step: int) -> list[float]:
-        """Every group's largest OneCycle base LR from ``step`` to the end: each phase anneals
-        monotonically (the last one extrapolated to ``total_steps``, as torch does), so the
-        largest sits at ``step``, at the steps either side of a later phase's end (a float) or at
-        ``total_steps``."""
-        ends = [
-            s
-            for p in self._schedule_phases
-            for s in (math.floor(p["end_step"]), math.ceil(p["end_step"]))
-            if step < s < self.total_steps
-        ]
-        rows = [self._base_lrs_at(s) for s in [step, *ends, max(step, self.total_steps)]]
-        return [max(column) for column in zip(*rows, strict=True)]
 
     # torch's get_lr returns list[float | Tensor] (a tensor LR stays one); this one plain floats.
     def get_lr(self) -> list[float]:  # type: ignore[override]

@@ -33,7 +33,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -215,7 +215,6 @@ class WindowAdapter:
         num_points: int,
         finite: torch.Tensor,
         fingerprint: torch.Tensor | None,
-        lag_terms: torch.Tensor | None,
     ) -> WindowLosses:
         """The window's one reduction over the runtime's loss group
         (:func:`~hdet_megatron.window_losses.reduce_window`)."""
@@ -229,11 +228,6 @@ class WindowAdapter:
     def base_values(self, step: int) -> dict[str, float]:
         """Every axis's base (un-spread, un-scaled) value for the next step, after ``step`` steps
         (``rule="paper"``)."""
-        raise NotImplementedError
-
-    def peak_values(self, step: int) -> dict[str, float]:
-        """Every LR axis's largest base value from the next step to the schedule's end (the
-        ``warmup_peak`` controller prototype; not called otherwise)."""
         raise NotImplementedError
 
     def start_values(self) -> dict[str, float]:
@@ -455,8 +449,6 @@ class WindowEngine:
             num_points=len(points) if points is not None else 0,
             finite=params_finite(adapter.tensors()),
             fingerprint=fingerprint,
-            # Every rank's terms (its part of the model), with the line's points.
-            lag_terms=self.line_search.lag_terms() if points is not None and self.line_search else None,
         )  # the window's one host sync
         self._check_batches(reduced, window)
         train = [math.inf if bad else x for x, bad in zip(reduced.train, reduced.bad, strict=True)]
@@ -467,7 +459,6 @@ class WindowEngine:
             # by the part of today's noise floor that survives to the end of the schedule.
             kappa = persistence(*adapter.horizon_lrs(step)) if cfg.signal == "line" else 1.0
             line = fit_line(points, reduced.point_losses, arm_values["lr"], kappa, reduced.replica_losses)
-            line = replace(line, lag=reduced.lag)
             signal = list(line.pseudo_losses)
         elif self.probing and steps and cfg.signal in LINE_SIGNALS:
             # No line this window (a mid-window resume): equal losses, so nothing moves.
@@ -506,9 +497,6 @@ class WindowEngine:
                     adapter.base_values(step),
                     line=line,
                     train_losses=train,
-                    peak_values=(
-                        adapter.peak_values(step) if "warmup_peak" in controller_module.PROTOTYPES else None
-                    ),
                     start_values=(
                         adapter.start_values() if "hold_first" in controller_module.PROTOTYPES else None
                     ),

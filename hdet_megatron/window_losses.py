@@ -10,10 +10,8 @@ At a window's end every rank contributes to one float64 table:
   the update line (``"line"``/``"average"``) and the fingerprint of the batch it probed
   (:func:`hdet_megatron.probe.batch_fingerprint`).
 
-Each of those entries has at most one non-zero contributor, so the all-reduce is exact whatever
-order the backend adds in, and every rank reads the same bits. Two more entries are true sums
-over every rank: the terms of the ``average`` line's measured lag (:meth:`LineSearch.lag_terms`),
-whose ratio every rank reads from the same all-reduce result. The host then forms per-arm means and, for
+Each entry has at most one non-zero contributor, so the all-reduce is exact whatever order the
+backend adds in, and every rank reads the same bits. The host then forms per-arm means and, for
 the line signals, each replica's curve: every rank knows every replica's losses (the noise-aware
 step reads their spread), and the rows of replicas whose arm has non-finite params are dropped,
 so one diverged arm cannot poison the points that the healthy replicas evaluated (issue #29
@@ -32,7 +30,6 @@ import torch.distributed as dist
 __all__ = ["LossAccumulator", "WindowLosses", "params_finite", "reduce_window"]
 
 _ROW_HEAD = 7  # arm + 1 | train sum | train count | probe loss | probe count | fingerprint | has one
-_LAG_SLOTS = 2  # after the arms' health flags: the summed lag terms (numerator, denominator)
 
 
 @dataclass(frozen=True)
@@ -56,10 +53,6 @@ class WindowLosses:
     """With line points: the mean of :attr:`replica_losses` at every point (NaN without rows)."""
     fingerprints: list[float] = field(default_factory=list)
     """The probe batch's fingerprint of every reporter that sent one (in reporter order)."""
-    lag: float | None = None
-    """``signal="average"``: ``<mean_t D_t, D_T> / <D_T, D_T>`` over every rank's params (how far
-    along the line the window-averaged iterate sits, as a fraction of the end iterate); None
-    without line terms."""
 
 
 def params_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -86,7 +79,6 @@ def reduce_window(
     num_points: int = 0,
     finite: torch.Tensor | None = None,
     fingerprint: torch.Tensor | None = None,
-    lag_terms: torch.Tensor | None = None,
 ) -> WindowLosses:
     """Reduce one window's losses over ``group`` (``reduce=False``: one process). Collective.
 
@@ -99,18 +91,13 @@ def reduce_window(
         points: this reporter's loss at each of the ``num_points`` line points.
         finite: whether this rank's params are finite (every rank, reporter or not).
         fingerprint: this reporter's probe-batch fingerprint (None: it probed nothing).
-        lag_terms: this rank's ``(<mean_t D_t, D_T>, <D_T, D_T>)`` over its params (every rank
-            of every arm with ``signal="average"``; summed over the world).
     """
     width = _ROW_HEAD + num_points
-    head = num_arms + _LAG_SLOTS
-    buf = torch.zeros(head + num_rows * width, dtype=dtype, device=device)
+    buf = torch.zeros(num_arms + num_rows * width, dtype=dtype, device=device)
     if finite is not None:
         buf[arm] = (~finite).to(dtype)
-    if lag_terms is not None:
-        buf[num_arms : num_arms + _LAG_SLOTS] = lag_terms
     if row is not None:
-        base = head + row * width
+        base = num_arms + row * width
         buf[base] = arm + 1
         buf[base + 1] = train_sum
         buf[base + 2] = train_count
@@ -128,7 +115,7 @@ def reduce_window(
         dist.all_reduce(buf, group=group)
     values = buf.tolist()  # the one host sync of the window
     bad = [v > 0 for v in values[:num_arms]]
-    slots = [values[head + r * width : head + (r + 1) * width] for r in range(num_rows)]
+    slots = [values[num_arms + r * width : num_arms + (r + 1) * width] for r in range(num_rows)]
     rows = [(int(round(r[0])) - 1, r) for r in slots if r[0] > 0]  # (arm, row) of filled slots
     train_sums: list[list[float]] = [[] for _ in range(num_arms)]
     train_counts: list[list[float]] = [[] for _ in range(num_arms)]
@@ -159,9 +146,6 @@ def reduce_window(
         replica_losses=[list(losses) for _, losses in healthy],
         point_losses=point_losses,
         fingerprints=[r[5] for _, r in rows if r[6] > 0],
-        lag=values[num_arms] / values[num_arms + 1]
-        if lag_terms is not None and values[num_arms + 1] > 0
-        else None,
     )
 
 

@@ -55,24 +55,6 @@ def test_plain_scheduler_ignores_an_hdet_checkpoint():
     assert ours.num_steps == 250
 
 
-@pytest.mark.parametrize("style", ["linear", "cosine", "inverse-square-root", "WSD", "constant"])
-def test_peak_values_are_the_largest_base_lr_to_come(style):
-    """The ``warmup_peak`` prototype's input: ``get_lr``'s maximum over the rest of the run,
-    found by stepping Megatron's own scheduler to the end; ``num_steps`` is left as it was."""
-    extra = {"wsd_decay_steps": 300, "lr_wsd_decay_style": "linear"} if style == "WSD" else {}
-    for now in (0, 40, 100, 400, 1200):
-        ref, _, ours, _ = cases.pair(cases.NEUTRAL, lr_decay_style=style, **extra)
-        if now:
-            ref.step(now)
-            ours.step(now)
-        future = []
-        for _ in range(1300 - now):
-            future.append(ref.get_lr({}))
-            ref.step(1)
-        assert ours.peak_values() == {"lr": max(future)}
-        assert ours.num_steps == now
-
-
 @pytest.mark.parametrize("style", ["linear", "cosine", "WSD"])
 def test_start_values_are_the_schedules_first_value(style):
     """The ``hold_first`` prototype's input: Megatron's ``get_lr`` before any step, asked later;

@@ -101,10 +101,10 @@ def test_tp2_pp2_dp2_both_modes():
         assert all(b > 2 * r["averaged_bytes"] for b in r["window_bytes"])
     # grad_sync="arm": the only traffic between arms is one parameter all-reduce per window
     # (plus the float64 loss/health reduction every rank takes part in: A health flags and one
-    # 7-entry row per DP replica and 2 lag terms, hdet_megatron.window_losses).
+    # 7-entry row per DP replica, hdet_megatron.window_losses).
     arm_results = worlds[1]
     for r in arm_results:
-        loss_bytes = (2 + 2 + 2 * 7) * 8
+        loss_bytes = (2 + 2 * 7) * 8
         assert r["window_bytes"] == [r["averaged_bytes"] + loss_bytes] * len(r["history"])
 
 
@@ -124,7 +124,7 @@ def test_tp2_dp4_arms_4_and_2():
                 twins = [o for o in results if o["arm"] == r["arm"] and o["tp_rank"] == r["tp_rank"]]
                 assert len({t["step_digests"][s]["main"] for t in twins}) == 1
     for r in worlds[2]:
-        assert r["window_bytes"] == [r["averaged_bytes"] + (2 + 2 + 4 * 7) * 8] * len(r["history"])
+        assert r["window_bytes"] == [r["averaged_bytes"] + (2 + 4 * 7) * 8] * len(r["history"])
 
 
 def test_pp2_dp4_distributed_optimizer_instances():
@@ -137,7 +137,7 @@ def test_pp2_dp4_distributed_optimizer_instances():
     for sc, results in zip(scenarios, worlds, strict=True):
         check_hdet_run(sc, results)
     for r in worlds[1]:
-        assert r["window_bytes"] == [r["averaged_bytes"] + (4 + 2 + 4 * 7) * 8] * len(r["history"])
+        assert r["window_bytes"] == [r["averaged_bytes"] + (4 + 4 * 7) * 8] * len(r["history"])
 
 
 def test_neutral_hdet_is_bit_identical_and_bf16_masters():

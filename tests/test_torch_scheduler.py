@@ -100,15 +100,6 @@ def test_equals_torch_onecycle_single_rank(kind, groups, total, kw, hdet):
 
 
 @pytest.mark.parametrize("kind, groups, total, kw", [case[:4] for case in CASES])
-def test_peak_lrs_are_the_largest_base_lr_to_come(kind, groups, total, kw):
-    """The ``warmup_peak`` prototype's input, against every later step's base LR."""
-    sched = HDETOneCycleLR(toy_optimizer(kind, groups), total_steps=total, **kw)
-    for step in range(total + 1):
-        future = [sched._base_lrs_at(s) for s in range(step, total + 1)]
-        assert sched._peak_lrs_from(step) == [max(column) for column in zip(*future, strict=True)]
-
-
-@pytest.mark.parametrize("kind, groups, total, kw", [case[:4] for case in CASES])
 def test_start_values_are_the_first_steps_base_lr(kind, groups, total, kw):
     """The ``hold_first`` prototype's input: torch's own first LR, whatever step it is asked at."""
     lrs, _, _ = trace_scheduler(torch.optim.lr_scheduler.OneCycleLR, kind, groups, total, **kw)

@@ -523,7 +523,7 @@ class HDET(WindowAdapter):
         return self._step_loss(raw)
 
     def reduce(
-        self, *, train_sum, train_count, probe, points, num_points, finite, fingerprint, lag_terms
+        self, *, train_sum, train_count, probe, points, num_points, finite, fingerprint
     ) -> WindowLosses:
         """The window's one small all-reduce over the world (so every TP/PP rank computes the
         same controller update): each loss reporter's (one per DP replica) training-loss sum and
@@ -545,7 +545,6 @@ class HDET(WindowAdapter):
             num_points=num_points,
             finite=finite,
             fingerprint=fingerprint if reporter else None,
-            lag_terms=lag_terms,
         )
 
     def horizon_lrs(self, step: int) -> tuple[float, float]:
@@ -553,9 +552,6 @@ class HDET(WindowAdapter):
 
     def base_values(self, step: int) -> dict[str, float]:
         return {**self.scheduler.base_values(), **self.module_axes.base_values()}
-
-    def peak_values(self, step: int) -> dict[str, float]:
-        return self.scheduler.peak_values()
 
     def start_values(self) -> dict[str, float]:
         return {**self.scheduler.start_values(), **self.module_axes.base_values()}

@@ -260,14 +260,6 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):  # megatron-core is 
         finally:
             self.num_steps = saved
 
-    def peak_values(self) -> dict[str, float]:
-        """Every LR axis's largest base value from now to the schedule's end (the ``warmup_peak``
-        controller prototype): ``get_lr`` at the warm-up's end or now, whichever is later, since
-        every Megatron decay style (constant, linear, cosine, inverse-square-root, WSD) is
-        non-increasing after its linear warm-up."""
-        with self._at_step(max(self.num_steps, self.lr_warmup_steps)):
-            return {name: value for name, value in self.base_values().items() if name.startswith("lr")}
-
     def start_values(self) -> dict[str, float]:
         """Base value of every scheduler axis at the schedule's first step (the ``hold_first``
         controller prototype)."""
