@@ -1,4 +1,4 @@
-"""Generalization of auto-LR (issue 35): eight tasks, each against its own LR sweep and the LR-free
+"""Generalization of auto-LR (issue 35): nine tasks, each against its own LR sweep and the LR-free
 optimizers a user would pick instead of a sweep.
 
     .venv/bin/pip install -e '.[bench]'                                  # schedulefree, prodigyopt
@@ -26,7 +26,8 @@ Every run uses 4 local gloo ranks = 4 data-parallel replicas = 4 HDET arms. Per 
 changed after looking at them. ``megatron-wsd``, ``hsdp-cosine``, ``megatron-longwu`` (a 25%
 warm-up, added later for rules that act only in a warm-up), ``hsdp-longwu`` (FSDP2 with a 20%
 warm-up, added after the warm-up hold was frozen), ``ddp-shortwu`` and ``megatron-wide`` (added
-after 3i, before any run of them, for the narrow spread with a wide line) are *held out*: they
+after 3i, before any run of them, for the narrow spread with a wide line) and ``ddp-long`` (40
+small windows, added after 3n before any run of it) are *held out*: they
 run once, with nothing changed, after the rule is frozen, and the runner refuses them without
 ``--held-out``.
 A finished run (its ``final`` record present) is not run again; ``--force`` reruns.
@@ -253,6 +254,28 @@ TASKS: dict[str, Task] = {
             "ddp-shortwu): GPT 2x256, seq 128, global batch 24, 12-iteration warm-up, cosine "
             "decay to LR/10, 15 windows of 10 iterations, 7,680 tokens per arm per window",
             options=dict(layers=2, hidden=256, heads=8, seq=128, global_batch=24, micro_batch=6),
+        ),
+        Task(
+            name="ddp-long",
+            held_out=True,
+            path="torch",
+            center_lr=3e-3,
+            period=10,
+            steps=400,
+            warmup=60,
+            summary="byte-level GPT in plain torch, DDP, a longer run of small windows (added after "
+            "3n, defined before any run of it, held out for the next candidate): AdamW + "
+            "OneCycleLR with a 15% warm-up from LR/25 and a cosine decay to LR/100, GPT 3x96, seq "
+            "64, 8 sequences per rank, 40 windows of 10 steps, 5,120 tokens per arm per window",
+            options=dict(
+                width=96,
+                layers=3,
+                heads=4,
+                seq=64,
+                batch=8,
+                pct_start=0.15,
+                final_div_factor=4.0,
+            ),
         ),
         Task(
             name="hsdp-cosine",

@@ -16,6 +16,7 @@ import generalize as g  # noqa: E402
 def test_four_tasks_two_tuning_two_held_out_on_three_paths():
     assert sorted(t.name for t in g.TASKS.values() if not t.held_out) == ["megatron-8x", "onecycle-ddp"]
     assert sorted(t.name for t in g.TASKS.values() if t.held_out) == [
+        "ddp-long",
         "ddp-shortwu",
         "hsdp-cosine",
         "hsdp-longwu",
@@ -36,7 +37,16 @@ def test_default_tasks_are_the_tuning_tasks():
 
 
 @pytest.mark.parametrize(
-    "task", ["megatron-wsd", "hsdp-cosine", "megatron-longwu", "hsdp-longwu", "ddp-shortwu", "megatron-wide"]
+    "task",
+    [
+        "megatron-wsd",
+        "hsdp-cosine",
+        "megatron-longwu",
+        "hsdp-longwu",
+        "ddp-shortwu",
+        "megatron-wide",
+        "ddp-long",
+    ],
 )
 def test_held_out_tasks_are_refused_without_the_flag(task, capsys):
     with pytest.raises(SystemExit):
