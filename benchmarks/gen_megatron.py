@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 4 benchmarks/gen_megatron.py --peer sf --peer-warmup 8 -- \
         <pretrain_gpt.py flags, with --no-hdet>
-    torchrun --nproc-per-node 4 benchmarks/gen_megatron.py --prototype hold_first -- \
+    torchrun --nproc-per-node 4 benchmarks/gen_megatron.py --prototype NAME -- \
         <pretrain_gpt.py flags with HDET>
 
 Runs ``examples/pretrain_gpt/pretrain_gpt.py``'s ``main`` unchanged except for one thing.

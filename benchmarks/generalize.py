@@ -86,14 +86,13 @@ NARROW_SPREAD = 0.05
 WIDE_LINE_WIDTH = 0.3
 #: Controller prototypes, spreads, line widths and config fields (``--variants``) over the
 #: defaults, measured as rows ``{name}-x{g}`` at the same guesses (on the tuning tasks only).
-#: ``holdfirst``: the warm-up hold at the first converge (3n); ``nohold``: the warm-up hold off
-#: (the defaults before it, 3i); ``wline``: the line scored wider than the arms train;
-#: ``narrow``: the narrow spread alone (the line at the arms' own points); ``offn``: the narrow
-#: spread with auto-LR off (what it costs); ``off9``: auto-LR off at the paper's spread of 1/9
-#: (3k). The variants of the prototypes rejected in 3e-3m went with them (BENCHMARKS.md 3e: their
-#: rows rerun at commit b3a601d).
+#: ``nohold``: the warm-up hold off (the defaults before it, 3i); ``wline``: the line scored
+#: wider than the arms train; ``narrow``: the narrow spread alone (the line at the arms' own
+#: points); ``offn``: the narrow spread with auto-LR off (what it costs); ``off9``: auto-LR off
+#: at the paper's spread of 1/9 (3k). The variants of the prototypes rejected in 3e-3p went
+#: with them (BENCHMARKS.md 3e: the rows of 3e-3m rerun at commit b3a601d; 3p: ``holdfirst``'s
+#: at commit 81d215d).
 VARIANTS: dict[str, Variant] = {
-    "holdfirst": Variant(("hold_first",)),
     "nohold": Variant(warmup_hold=False),
     "wline": Variant(spread=NARROW_SPREAD, line_width=WIDE_LINE_WIDTH),
     "narrow": Variant(spread=NARROW_SPREAD),

@@ -77,22 +77,14 @@ _LOADABLE_VERSIONS = (1, 2)
 NEWTON_MAX_STEP = 2.0
 
 #: Issue 35's prototypes, off unless a benchmark switches them on in its own process (not API:
-#: they are measured on the tuning tasks before any becomes a config field):
-#:
-#: * ``"hold_first"``: the warm-up hold at a process's first converge too. With no previous
-#:   converge its evidence is the base schedule's value at the schedule's first step
-#:   (``start_values``, from the runtime): a window that ends inside a warm-up does not rise,
-#:   the first included (the defaults' hold cannot act there, and the first window's line says
-#:   "higher" from every guess on the tuning tasks, BENCHMARKS 3m). Passed its tuning bar and
-#:   failed its held-out bar in one cell (BENCHMARKS 3n: a low guess climbs a window later); kept
-#:   because a next test of it needs only a measured noise floor on new held-out tasks.
-#:
-#: The prototypes measured and rejected before it (BENCHMARKS 3e-3m) were removed from the code;
-#: their rows rerun at commit b3a601d. The line scored wider than the arms train, measured as the
-#: prototype ``"wide_line"`` (BENCHMARKS 3j, 3l), is the config field ``HDETConfig.line_width``
-#: now, and the defaults before the warm-up hold are ``HDETConfig(warmup_hold=False)``.
+#: they are measured on the tuning tasks before any becomes a config field). None is open now:
+#: the prototypes measured and rejected in BENCHMARKS 3e-3p were removed from the code (those
+#: of 3e-3m rerun at commit b3a601d, ``hold_first`` of 3n and 3p at commit 81d215d). The line
+#: scored wider than the arms train, measured as the prototype ``"wide_line"`` (3j, 3l), is the
+#: config field ``HDETConfig.line_width``, and the defaults before the warm-up hold are
+#: ``HDETConfig(warmup_hold=False)``.
 PROTOTYPES: set[str] = set()
-KNOWN_PROTOTYPES = frozenset({"hold_first"})
+KNOWN_PROTOTYPES: frozenset[str] = frozenset()
 
 #: The brake needs a spike or rise this many times the window's noise (the spread of the other
 #: arms' training losses) besides its relative threshold: noise alone must not cut the LR.
@@ -375,15 +367,12 @@ class AutoController:
         *,
         line: LineFit | None = None,
         train_losses: Sequence[float] | None = None,
-        start_values: Mapping[str, float] | None = None,
     ) -> ControllerUpdate:
         """One converge: weigh the arms by their window losses and move every axis.
 
         ``line``: the window's line fit (line signals), whose replica rows give the noise-aware
         step its standard error. ``train_losses``: each arm's mean training loss over the window
         (the brake's evidence; ``arm_losses`` with ``signal="train"`` when not given).
-        ``start_values[axis]``: the base schedule's value at its first step (only the
-        ``hold_first`` prototype reads it).
 
         ``arm_losses[r]``: arm r's mean training loss over the window. ``arm_spreads[axis][r]``:
         the multiplier (or additive offset) arm r used on that axis in the window.
@@ -430,11 +419,8 @@ class AutoController:
             raise ValueError(
                 f"unknown controller prototypes {sorted(unknown)}; known: {sorted(KNOWN_PROTOTYPES)}"
             )
-        # Warm-up hold: the base LR rose since the last converge (none before a process's first,
-        # unless the hold_first prototype compares the first with the schedule's start).
+        # Warm-up hold: the base LR rose since the last converge (none before a process's first).
         previous_bases = self.last_bases
-        if "hold_first" in PROTOTYPES and not previous_bases:
-            previous_bases = dict(start_values or {})
         deltas: dict[str, float] = {}
         raw_deltas: dict[str, float] = {}
         confidence: dict[str, float] = {}

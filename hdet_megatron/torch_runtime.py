@@ -238,9 +238,6 @@ class _Runtime(WindowAdapter):
     def base_values(self, step: int) -> dict[str, float]:
         return self._per_axis(self._base_lrs(step))  # the base schedule at the next window's first step
 
-    def start_values(self) -> dict[str, float]:
-        return self._per_axis(self._base_lrs(0))
-
     def average(self, weight: float | None) -> AverageStats | None:
         if self.averager is None:
             return None

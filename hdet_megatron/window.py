@@ -39,7 +39,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hdet_megatron import controller as controller_module
 from hdet_megatron.averaging import AverageStats, own_storage
 from hdet_megatron.config import LINE_SIGNALS, HDETConfig
 from hdet_megatron.controller import AllArmsNonFinite, AutoController, ControllerUpdate
@@ -228,11 +227,6 @@ class WindowAdapter:
     def base_values(self, step: int) -> dict[str, float]:
         """Every axis's base (un-spread, un-scaled) value for the next step, after ``step`` steps
         (``rule="paper"``)."""
-        raise NotImplementedError
-
-    def start_values(self) -> dict[str, float]:
-        """Every axis's base value at the schedule's first step (the ``hold_first`` controller
-        prototype; not called otherwise)."""
         raise NotImplementedError
 
     def average(self, weight: float | None) -> AverageStats | None:
@@ -497,9 +491,6 @@ class WindowEngine:
                     adapter.base_values(step),
                     line=line,
                     train_losses=train,
-                    start_values=(
-                        adapter.start_values() if "hold_first" in controller_module.PROTOTYPES else None
-                    ),
                 )
             except AllArmsNonFinite:
                 if self.rollback is None:

@@ -1,7 +1,8 @@
 """Issue 35's controller prototypes (``hdet_megatron.controller.PROTOTYPES``, off unless a
-benchmark switches them on): ``hold_first`` (the warm-up hold at the first converge), and the
-line scored wider than the arms train (the config field ``line_width`` now). The prototypes
-rejected in BENCHMARKS 3e-3m were removed with their tests (they rerun at commit b3a601d)."""
+benchmark switches them on; none is open now), and the line scored wider than the arms train
+(the prototype ``wide_line`` once, the config field ``line_width`` now). The prototypes rejected
+in BENCHMARKS 3e-3p were removed with their tests (those of 3e-3m rerun at commit b3a601d,
+``hold_first`` at commit 81d215d)."""
 
 from __future__ import annotations
 
@@ -65,34 +66,3 @@ def test_a_line_width_scores_the_line_wider_than_the_arms_train():
     losses = [(p - 1.2) ** 2 for p in RHO[:3]] + [math.inf]
     fit = fit_line(wide, losses, narrow, 1.0)
     assert all(math.isfinite(x) for x in fit.pseudo_losses) and fit.curvature == pytest.approx(2.0)
-
-
-def test_hold_first_holds_a_first_window_that_ends_inside_a_warm_up(prototypes):
-    line = _line([1.6] * 4)  # "higher" every window
-    cfg = HDETConfig(period=10, signal="average", start_scale=1.0, brake=False, momentum=0.0)
-
-    def scales(bases: list[float], start: float) -> list[float]:
-        ctl = AutoController(cfg, 4, probe_available=True)
-        out = []
-        for k, base in enumerate(bases):
-            ctl.update(
-                line.pseudo_losses,
-                {"lr": RHO},
-                step=10 * (k + 1),
-                base_values={"lr": base},
-                line=line,
-                start_values={"lr": start},
-            )
-            out.append(ctl.scale("lr"))
-        return out
-
-    warm_up = [1e-4, 2e-4, 2e-4]  # rising from 0, then flat
-    assert scales(warm_up, start=0.0) == pytest.approx([1.6, 1.6, 1.6**2])  # the defaults
-    prototypes.add("hold_first")
-    assert scales(warm_up, start=0.0) == pytest.approx([1.0, 1.0, 1.6])
-    # No warm-up (the schedule starts at its first window's value): the first window rises.
-    assert scales([2e-4, 2e-4], start=2e-4) == pytest.approx([1.6, 1.6**2])
-    # Without start values (a runtime that gave none) the defaults' evidence is all there is.
-    ctl = AutoController(cfg, 4, probe_available=True)
-    ctl.update(line.pseudo_losses, {"lr": RHO}, step=10, base_values={"lr": 1e-4}, line=line)
-    assert ctl.scale("lr") == pytest.approx(1.6)

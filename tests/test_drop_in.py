@@ -53,17 +53,3 @@ def test_plain_scheduler_ignores_an_hdet_checkpoint():
     ours.load_state_dict(dict(state))
     assert cases._snapshot(ours, opt) == cases._snapshot(ref, ref_opt)
     assert ours.num_steps == 250
-
-
-@pytest.mark.parametrize("style", ["linear", "cosine", "WSD"])
-def test_start_values_are_the_schedules_first_value(style):
-    """The ``hold_first`` prototype's input: Megatron's ``get_lr`` before any step, asked later;
-    ``num_steps`` is left as it was."""
-    extra = {"wsd_decay_steps": 300, "lr_wsd_decay_style": "linear"} if style == "WSD" else {}
-    ref, _, ours, _ = cases.pair(cases.NEUTRAL, lr_decay_style=style, **extra)
-    first = ref.get_lr({})
-    ours.step(250)
-    start = ours.start_values()
-    assert start["lr"] == first
-    assert start["weight_decay"] == ref.get_wd()
-    assert ours.num_steps == 250

@@ -99,18 +99,6 @@ def test_equals_torch_onecycle_single_rank(kind, groups, total, kw, hdet):
         assert sched.num_arms == 1 and sched.arm == 0
 
 
-@pytest.mark.parametrize("kind, groups, total, kw", [case[:4] for case in CASES])
-def test_start_values_are_the_first_steps_base_lr(kind, groups, total, kw):
-    """The ``hold_first`` prototype's input: torch's own first LR, whatever step it is asked at."""
-    lrs, _, _ = trace_scheduler(torch.optim.lr_scheduler.OneCycleLR, kind, groups, total, **kw)
-    opt = toy_optimizer(kind, groups)
-    sched = HDETOneCycleLR(opt, total_steps=total, hdet=NEUTRAL, **kw)
-    for _ in range(3):
-        opt.step()
-        sched.step()
-    assert sched._hdet.start_values() == {"lr": lrs[0][0]}
-
-
 def test_epochs_and_state_dict_like_torch():
     opt, ref_opt = toy_optimizer("sgd", 1), toy_optimizer("sgd", 1)
     sched = HDETOneCycleLR(opt, 0.1, epochs=3, steps_per_epoch=4)

@@ -553,9 +553,6 @@ class HDET(WindowAdapter):
     def base_values(self, step: int) -> dict[str, float]:
         return {**self.scheduler.base_values(), **self.module_axes.base_values()}
 
-    def start_values(self) -> dict[str, float]:
-        return {**self.scheduler.start_values(), **self.module_axes.base_values()}
-
     def average(self, weight: float | None) -> AverageStats:
         return self.averager.average(weights=weight)
 

@@ -260,12 +260,6 @@ class HDETOptimizerParamScheduler(OptimizerParamScheduler):  # megatron-core is 
         finally:
             self.num_steps = saved
 
-    def start_values(self) -> dict[str, float]:
-        """Base value of every scheduler axis at the schedule's first step (the ``hold_first``
-        controller prototype)."""
-        with self._at_step(0):
-            return self.base_values()
-
     def base_values(self) -> dict[str, float]:
         """Base (un-spread, un-scaled) value of every scheduler axis now (for ``rule="paper"``)."""
         groups = self.optimizer.param_groups
