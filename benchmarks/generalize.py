@@ -91,7 +91,7 @@ WIDE_LINE_WIDTH = 0.3
 #: points); ``offn``: the narrow spread with auto-LR off (what it costs); ``off9``: auto-LR off
 #: at the paper's spread of 1/9 (3k). The variants of the prototypes rejected in 3e-3p went
 #: with them (BENCHMARKS.md 3e: the rows of 3e-3m rerun at commit b3a601d; 3p: ``holdfirst``'s
-#: at commit 81d215d).
+#: at commit b32f5fe).
 VARIANTS: dict[str, Variant] = {
     "nohold": Variant(warmup_hold=False),
     "wline": Variant(spread=NARROW_SPREAD, line_width=WIDE_LINE_WIDTH),

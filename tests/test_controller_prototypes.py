@@ -2,7 +2,7 @@
 benchmark switches them on; none is open now), and the line scored wider than the arms train
 (the prototype ``wide_line`` once, the config field ``line_width`` now). The prototypes rejected
 in BENCHMARKS 3e-3p were removed with their tests (those of 3e-3m rerun at commit b3a601d,
-``hold_first`` at commit 81d215d)."""
+``hold_first`` at commit b32f5fe)."""
 
 from __future__ import annotations
 
