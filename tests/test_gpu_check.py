@@ -276,8 +276,9 @@ def test_quality_stage_records_what_the_budget_skipped(tmp_path):
 @pytest.mark.slow
 def test_quality_stage_on_cpu_with_the_real_example(tmp_path):
     """The quality stage end to end on CPU: the real example under torchrun (2 gloo ranks, a
-    tiny model, 8 iterations, 3 sweep points), its default corpus, the table from its own
-    metrics. Checks the plumbing, not the numbers."""
+    tiny model, 8 iterations, 2 sweep points), its default corpus, the table from its own
+    metrics. Checks the plumbing, not the numbers (five launches: each costs the imports of every
+    rank, so the sweep is as short as a sweep can be)."""
     import json
     import sys
 
@@ -289,7 +290,7 @@ def test_quality_stage_on_cpu_with_the_real_example(tmp_path):
         PYTHON=sys.executable,
         GPU_CHECK_QUALITY_ITERS="8",
         GPU_CHECK_QUALITY_PERIOD="4",
-        GPU_CHECK_QUALITY_LRS="1e-3 4e-3 1.6e-2",
+        GPU_CHECK_QUALITY_LRS="1e-3 1.6e-2",
         GPU_CHECK_QUALITY_RANKS="2",
         GPU_CHECK_QUALITY_MODEL="--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 32 "
         "--micro-batch-size 2 --global-batch-size 4 --lr-decay-style cosine --lr-warmup-iters 2 "
@@ -309,10 +310,10 @@ def test_quality_stage_on_cpu_with_the_real_example(tmp_path):
     assert proc.returncode == 0, proc.stderr
     table = json.loads((out / "quality.json").read_text())
     rows = table["rows"]
-    assert [r["status"] for r in rows] == ["ok"] * 6, proc.stdout
+    assert [r["status"] for r in rows] == ["ok"] * 5, proc.stdout
     assert all(r["valid_loss"] > 0 for r in rows)
     best = table["best_lr"]
-    assert best in (1e-3, 4e-3, 1.6e-2)
-    assert best == min(rows[:3], key=lambda r: r["valid_loss"])["lr"]
-    assert [r["lr"] for r in rows[3:]] == pytest.approx([best / 4, best, best * 4])
-    assert all(r["windows"] == 2 and r["final_lr_scale"] > 0 for r in rows[3:])
+    assert best in (1e-3, 1.6e-2)
+    assert best == min(rows[:2], key=lambda r: r["valid_loss"])["lr"]
+    assert [r["lr"] for r in rows[2:]] == pytest.approx([best / 4, best, best * 4])
+    assert all(r["windows"] == 2 and r["final_lr_scale"] > 0 for r in rows[2:])
