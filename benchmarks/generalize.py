@@ -277,6 +277,50 @@ TASKS: dict[str, Task] = {
             ),
         ),
         Task(
+            name="megatron-constant",
+            held_out=True,
+            path="megatron",
+            center_lr=2e-3,
+            period=15,
+            steps=150,
+            warmup=10,
+            summary="the Megatron example, deeper and narrower, at a constant LR (added after 3p, "
+            "defined before any run of it and before any candidate, held out for the next one): "
+            "GPT 6x96, seq 128, global batch 32, 10-iteration warm-up, then constant, 10 windows "
+            "of 15 iterations, 15,360 tokens per arm per window",
+            options=dict(
+                layers=6,
+                hidden=96,
+                heads=4,
+                seq=128,
+                global_batch=32,
+                micro_batch=8,
+                extra="--lr-decay-style constant",
+            ),
+        ),
+        Task(
+            name="ddp-period25",
+            held_out=True,
+            path="torch",
+            center_lr=3e-3,
+            period=25,
+            steps=250,
+            warmup=25,
+            summary="byte-level GPT in plain torch, DDP, long windows (added after 3p with "
+            "megatron-constant, defined before any run of it): AdamW + OneCycleLR with a 10% "
+            "warm-up from LR/25 and a cosine decay to LR/100, GPT 4x96, seq 64, 16 sequences per "
+            "rank, 10 windows of 25 steps, 25,600 tokens per arm per window",
+            options=dict(
+                width=96,
+                layers=4,
+                heads=4,
+                seq=64,
+                batch=16,
+                pct_start=0.1,
+                final_div_factor=4.0,
+            ),
+        ),
+        Task(
             name="hsdp-cosine",
             held_out=True,
             path="torch",
