@@ -147,10 +147,11 @@ except SystemExit as exc:  # Megatron's --exit-interval path ends in sys.exit(0)
 # The run succeeded: write the records and leave without the interpreter's teardown, which
 # costs about 4 s per launch of these tests: gloo closes Megatron's process groups one by one,
 # and the data loader's worker processes, orphaned by an abrupt exit, would hold the output pipe
-# until their watchdog (5 s) notices; they are stopped here instead. pretrain_gpt.py ends the
-# same way. A failure (above) exits the normal way, and atexit still writes its records. The
-# example's own clean exit is checked where it runs unchanged (tests/test_multinode.py launches
-# it through pretrain_gpt_hdet.sh and asserts exit code 0 on every node).
+# until their watchdog (5 s) notices; they are stopped here instead. pretrain_gpt.py also
+# leaves with os._exit(0). A failure (above) exits the normal way, and atexit still writes its
+# records. The example's own clean exit is checked where it runs unchanged
+# (tests/test_multinode.py launches it through pretrain_gpt_hdet.sh and asserts exit code 0 on
+# every node).
 _write()
 for worker in multiprocessing.active_children():  # torch DataLoader workers (--num-workers)
     worker.terminate()
