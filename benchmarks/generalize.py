@@ -89,14 +89,11 @@ WIDE_LINE_WIDTH = 0.3
 #: ``nohold``: the warm-up hold off (the defaults before it, 3i); ``wline``: the line scored
 #: wider than the arms train; ``narrow``: the narrow spread alone (the line at the arms' own
 #: points); ``offn``: the narrow spread with auto-LR off (what it costs); ``off9``: auto-LR off
-#: at the paper's spread of 1/9 (3k); ``jk16`` and ``jk16s``: the unclipped jackknife, its
-#: confidence judged at the full fit's step bounded at 16x or at the clipped step taken (3r).
-#: The variants of the prototypes rejected in 3e-3p went with them (BENCHMARKS.md 3e: the rows
-#: of 3e-3m rerun at commit b3a601d; 3p: ``holdfirst``'s at commit b32f5fe).
+#: at the paper's spread of 1/9 (3k). The variants of the prototypes rejected in 3e-3p went
+#: with them (BENCHMARKS.md 3e: the rows of 3e-3m rerun at commit b3a601d; 3p: ``holdfirst``'s
+#: at commit b32f5fe).
 VARIANTS: dict[str, Variant] = {
     "nohold": Variant(warmup_hold=False),
-    "jk16": Variant(("jackknife_unclipped",)),
-    "jk16s": Variant(("jackknife_unclipped_at_step",)),
     "wline": Variant(spread=NARROW_SPREAD, line_width=WIDE_LINE_WIDTH),
     "narrow": Variant(spread=NARROW_SPREAD),
     "offn": Variant(spread=NARROW_SPREAD, auto=False),

@@ -77,28 +77,14 @@ _LOADABLE_VERSIONS = (1, 2)
 NEWTON_MAX_STEP = 2.0
 
 #: Issue 35's prototypes, off unless a benchmark switches them on in its own process (not API:
-#: they are measured on the tuning tasks before any becomes a config field). The prototypes
-#: measured and rejected in BENCHMARKS 3e-3p were removed from the code (those of 3e-3m rerun at
-#: commit b3a601d, ``hold_first`` of 3n and 3p at commit b32f5fe). The line scored wider than the
-#: arms train, measured as the prototype ``"wide_line"`` (3j, 3l), is the config field
-#: ``HDETConfig.line_width``, and the defaults before the warm-up hold are
-#: ``HDETConfig(warmup_hold=False)``. Open (BENCHMARKS 3r), both for noise-aware steps:
-#:
-#: * ``"jackknife_unclipped"``: the jackknife compares leave-one-out steps bounded at
-#:   :data:`JACKKNIFE_MAX_STEP` instead of the rule's 2x clip, and the confidence is that of the
-#:   full fit's step under the same bound, ``d^2 / (d^2 + se^2)``; it multiplies the clipped
-#:   step as before. Replicas whose fits all land past the 2x clip then still differ by what
-#:   they imply, so se = 0 / confidence 1 no longer follows from the clip alone;
-#: * ``"jackknife_unclipped_at_step"``: the same standard error, with the confidence of the step
-#:   the rule takes, ``delta^2 / (delta^2 + se^2)`` (``delta`` clipped at 2x), which shrinks a
-#:   clipped step whose leave-one-out fits disagree beyond the clip.
+#: they are measured on the tuning tasks before any becomes a config field). None is open now:
+#: the prototypes measured and rejected in BENCHMARKS 3e-3p were removed from the code (those
+#: of 3e-3m rerun at commit b3a601d, ``hold_first`` of 3n and 3p at commit b32f5fe). The line
+#: scored wider than the arms train, measured as the prototype ``"wide_line"`` (3j, 3l), is the
+#: config field ``HDETConfig.line_width``, and the defaults before the warm-up hold are
+#: ``HDETConfig(warmup_hold=False)``.
 PROTOTYPES: set[str] = set()
-KNOWN_PROTOTYPES: frozenset[str] = frozenset({"jackknife_unclipped", "jackknife_unclipped_at_step"})
-
-#: The unclipped jackknife prototypes: the bound of the steps the jackknife compares (a factor),
-#: wide enough that fits past :data:`NEWTON_MAX_STEP` still differ, narrow enough that a
-#: near-flat fit's far-away minimum does not swamp the standard error (48a863a's value, 3e).
-JACKKNIFE_MAX_STEP = 16.0
+KNOWN_PROTOTYPES: frozenset[str] = frozenset()
 
 #: The brake needs a spike or rise this many times the window's noise (the spread of the other
 #: arms' training losses) besides its relative threshold: noise alone must not cut the LR.
@@ -205,16 +191,9 @@ def softmax_weights(
     return weights, excluded, sigma
 
 
-def _newton_delta(
-    values: Sequence[float],
-    losses: Sequence[float],
-    center: float,
-    additive: bool,
-    bound: float = NEWTON_MAX_STEP,
-) -> float:
+def _newton_delta(values: Sequence[float], losses: Sequence[float], center: float, additive: bool) -> float:
     """``rule="newton"``'s Delta from the finite arms' ``(value, loss)`` pairs, relative to the
-    centre of all arms' values (0 with fewer than 3 distinct values: no quadratic); a
-    multiplicative step is bounded at the factor ``bound``."""
+    centre of all arms' values (0 with fewer than 3 distinct values: no quadratic)."""
     if len(set(values)) < 3:
         return 0.0
     lo, hi = min(values), max(values)
@@ -229,13 +208,11 @@ def _newton_delta(
     if center <= 0:
         return 0.0
     factor = target / center if target > 0 else 0.0
-    factor = min(max(factor, 1.0 / bound), bound)
+    factor = min(max(factor, 1.0 / NEWTON_MAX_STEP), NEWTON_MAX_STEP)
     return math.log(factor)
 
 
-def _newton_delta_of(
-    values: Sequence[float], losses: Sequence[float], additive: bool, bound: float = NEWTON_MAX_STEP
-) -> float:
+def _newton_delta_of(values: Sequence[float], losses: Sequence[float], additive: bool) -> float:
     """:func:`_newton_delta` over the arms whose loss is finite, centred on all arms' values."""
     keep = [r for r in range(len(values)) if math.isfinite(losses[r])]
     return _newton_delta(
@@ -243,7 +220,6 @@ def _newton_delta_of(
         [losses[r] for r in keep],
         center=math.fsum(values) / len(values),
         additive=additive,
-        bound=bound,
     )
 
 
@@ -443,8 +419,6 @@ class AutoController:
             raise ValueError(
                 f"unknown controller prototypes {sorted(unknown)}; known: {sorted(KNOWN_PROTOTYPES)}"
             )
-        if {"jackknife_unclipped", "jackknife_unclipped_at_step"} <= PROTOTYPES:
-            raise ValueError("the two unclipped jackknife prototypes are alternatives: switch on one")
         # Warm-up hold: the base LR rose since the last converge (none before a process's first).
         previous_bases = self.last_bases
         deltas: dict[str, float] = {}
@@ -473,15 +447,10 @@ class AutoController:
             raw_deltas[name] = delta
             if name == "lr" and jackknife and not uniform:
                 # Leave-one-replica-out steps; se^2 = (n-1)/n sum (d_i - mean)^2 (jackknife).
-                unclipped = PROTOTYPES & {"jackknife_unclipped", "jackknife_unclipped_at_step"}
-                bound = JACKKNIFE_MAX_STEP if unclipped else NEWTON_MAX_STEP
-                ds = [_newton_delta_of(values, fit.pseudo_losses, False, bound) for fit in jackknife]
+                ds = [_newton_delta_of(values, fit.pseudo_losses, False) for fit in jackknife]
                 mean = math.fsum(ds) / len(ds)
                 se = math.sqrt((len(ds) - 1) / len(ds) * math.fsum((d - mean) ** 2 for d in ds))
-                judged = delta  # the step whose confidence is measured
-                if "jackknife_unclipped" in PROTOTYPES:
-                    judged = _newton_delta_of(values, losses, False, bound)
-                conf = judged * judged / (judged * judged + se * se) if judged != 0.0 else 0.0
+                conf = delta * delta / (delta * delta + se * se) if delta != 0.0 else 0.0
                 step_se[name], confidence[name] = se, conf
                 delta *= conf
             deltas[name] = delta

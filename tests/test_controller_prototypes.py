@@ -1,8 +1,8 @@
 """Issue 35's controller prototypes (``hdet_megatron.controller.PROTOTYPES``, off unless a
-benchmark switches them on; open: the unclipped jackknife, BENCHMARKS 3r), and the line scored
-wider than the arms train (the prototype ``wide_line`` once, the config field ``line_width``
-now). The prototypes rejected in BENCHMARKS 3e-3p were removed with their tests (those of 3e-3m
-rerun at commit b3a601d, ``hold_first`` at commit b32f5fe)."""
+benchmark switches them on; none is open now), and the line scored wider than the arms train
+(the prototype ``wide_line`` once, the config field ``line_width`` now). The prototypes rejected
+in BENCHMARKS 3e-3p were removed with their tests (those of 3e-3m rerun at commit b3a601d,
+``hold_first`` at commit b32f5fe)."""
 
 from __future__ import annotations
 
@@ -66,53 +66,3 @@ def test_a_line_width_scores_the_line_wider_than_the_arms_train():
     losses = [(p - 1.2) ** 2 for p in RHO[:3]] + [math.inf]
     fit = fit_line(wide, losses, narrow, 1.0)
     assert all(math.isfinite(x) for x in fit.pseudo_losses) and fit.curvature == pytest.approx(2.0)
-
-
-def _noise_aware_update(minima: list[float]):
-    cfg = HDETConfig(period=10, signal="average", start_scale=1.0, brake=False, momentum=0.0)
-    ctl = AutoController(cfg, 4, probe_available=True)
-    line = _line(minima)
-    return ctl.update(line.pseudo_losses, {"lr": RHO}, step=10, line=line)
-
-
-def test_unclipped_jackknife_keeps_a_standard_error_past_the_clip(prototypes):
-    far = [2.5, 3.0, 5.0, 8.0]  # every leave-one-out minimum beyond the 2x clip, all different
-    clipped = math.log(controller.NEWTON_MAX_STEP)
-    defaults = _noise_aware_update(far)
-    # The defaults' collapse (issue 35, defect 2): every leave-one-out step is the clip.
-    assert defaults.raw_deltas["lr"] == clipped
-    assert defaults.step_se["lr"] == 0.0 and defaults.confidence["lr"] == 1.0
-    assert defaults.deltas["lr"] == clipped
-
-    prototypes.add("jackknife_unclipped")
-    wide = _noise_aware_update(far)
-    se = wide.step_se["lr"]
-    assert se > 0.1
-    d = math.log(min(sum(far) / 4, controller.JACKKNIFE_MAX_STEP))  # the full fit's minimum, 4.625
-    assert wide.raw_deltas["lr"] == clipped  # the rule's step is still clipped ...
-    assert wide.confidence["lr"] == pytest.approx(d * d / (d * d + se * se), rel=1e-12)
-    assert wide.deltas["lr"] == pytest.approx(clipped * wide.confidence["lr"], rel=1e-12)  # ... and shrunk
-    assert 0.0 < wide.confidence["lr"] < 1.0
-
-    prototypes.clear()
-    prototypes.add("jackknife_unclipped_at_step")
-    at_step = _noise_aware_update(far)
-    assert at_step.step_se["lr"] == se  # the same standard error, judged at the clipped step
-    expected = clipped**2 / (clipped**2 + se * se)
-    assert at_step.confidence["lr"] == pytest.approx(expected, rel=1e-12)
-    assert at_step.confidence["lr"] < wide.confidence["lr"]
-
-    prototypes.add("jackknife_unclipped")
-    with pytest.raises(ValueError, match="alternatives"):
-        _noise_aware_update(far)
-
-
-@pytest.mark.parametrize("name", ["jackknife_unclipped", "jackknife_unclipped_at_step"])
-def test_unclipped_jackknife_changes_nothing_inside_the_clip(prototypes, name):
-    near = [1.1, 1.15, 1.3, 1.45]  # every fit's minimum inside 1/2..2x
-    defaults = _noise_aware_update(near)
-    prototypes.add(name)
-    update = _noise_aware_update(near)
-    assert 0.0 < defaults.confidence["lr"] < 1.0
-    for field in ("raw_deltas", "deltas", "step_se", "confidence", "scales"):
-        assert getattr(update, field) == getattr(defaults, field)  # bit-identical
