@@ -89,9 +89,9 @@ WIDE_LINE_WIDTH = 0.3
 #: ``nohold``: the warm-up hold off (the defaults before it, 3i); ``wline``: the line scored
 #: wider than the arms train; ``narrow``: the narrow spread alone (the line at the arms' own
 #: points); ``offn``: the narrow spread with auto-LR off (what it costs); ``off9``: auto-LR off
-#: at the paper's spread of 1/9 (3k). The variants of the prototypes rejected in 3e-3p went
+#: at the paper's spread of 1/9 (3k). The variants of the prototypes rejected in 3e-3r went
 #: with them (BENCHMARKS.md 3e: the rows of 3e-3m rerun at commit b3a601d; 3p: ``holdfirst``'s
-#: at commit b32f5fe).
+#: at commit b32f5fe; 3r: ``jk16`` and ``jk16s`` at commit 6a105d6).
 VARIANTS: dict[str, Variant] = {
     "nohold": Variant(warmup_hold=False),
     "wline": Variant(spread=NARROW_SPREAD, line_width=WIDE_LINE_WIDTH),

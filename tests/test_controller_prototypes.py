@@ -1,8 +1,8 @@
 """Issue 35's controller prototypes (``hdet_megatron.controller.PROTOTYPES``, off unless a
 benchmark switches them on; none is open now), and the line scored wider than the arms train
 (the prototype ``wide_line`` once, the config field ``line_width`` now). The prototypes rejected
-in BENCHMARKS 3e-3p were removed with their tests (those of 3e-3m rerun at commit b3a601d,
-``hold_first`` at commit b32f5fe)."""
+in BENCHMARKS 3e-3r were removed with their tests (those of 3e-3m rerun at commit b3a601d,
+``hold_first`` at commit b32f5fe, the unclipped jackknife at commit 6a105d6)."""
 
 from __future__ import annotations
 
