@@ -80,9 +80,9 @@ NEWTON_MAX_STEP = 2.0
 #: they are measured on the tuning tasks before any becomes a config field). None is open now:
 #: the prototypes measured and rejected in BENCHMARKS 3e-3r were removed from the code (those
 #: of 3e-3m rerun at commit b3a601d, ``hold_first`` of 3n and 3p at commit b32f5fe, the
-#: unclipped jackknife of 3r at commit 6a105d6). The line
-#: scored wider than the arms train, measured as the prototype ``"wide_line"`` (3j, 3l), is the
-#: config field ``HDETConfig.line_width``, and the defaults before the warm-up hold are
+#: unclipped jackknife of 3r at commit 6a105d6). The line scored wider than the arms train,
+#: measured as the prototype ``"wide_line"`` (3j, 3l), is the config field
+#: ``HDETConfig.line_width``, and the defaults before the warm-up hold are
 #: ``HDETConfig(warmup_hold=False)``.
 PROTOTYPES: set[str] = set()
 KNOWN_PROTOTYPES: frozenset[str] = frozenset()
