@@ -1,4 +1,4 @@
-"""Generalization of auto-LR (issue 35): nine tasks, each against its own LR sweep and the LR-free
+"""Generalization of auto-LR (issue 35): thirteen tasks, each against its own LR sweep and the LR-free
 optimizers a user would pick instead of a sweep.
 
     .venv/bin/pip install -e '.[bench]'                                  # schedulefree, prodigyopt
@@ -26,9 +26,10 @@ Every run uses 4 local gloo ranks = 4 data-parallel replicas = 4 HDET arms. Per 
 changed after looking at them. ``megatron-wsd``, ``hsdp-cosine``, ``megatron-longwu`` (a 25%
 warm-up, added later for rules that act only in a warm-up), ``hsdp-longwu`` (FSDP2 with a 20%
 warm-up, added after the warm-up hold was frozen), ``ddp-shortwu`` and ``megatron-wide`` (added
-after 3i, before any run of them, for the narrow spread with a wide line) and ``ddp-long`` (40
-small windows, added after 3n before any run of it) are *held out*: they
-run once, with nothing changed, after the rule is frozen, and the runner refuses them without
+after 3i, before any run of them, for the narrow spread with a wide line), ``ddp-long`` (40
+small windows, added after 3n before any run of it), ``megatron-constant`` and ``ddp-period25``
+(3q) and ``megatron-accum`` and ``ddp-wide`` (3s, each defined before any run of it) are *held
+out*: they run once, with nothing changed, after the rule is frozen, and the runner refuses them without
 ``--held-out``.
 A finished run (its ``final`` record present) is not run again; ``--force`` reruns.
 Results: ``generalize.json`` (one row per run), ``generalize.md`` (per task: every row's final
@@ -318,6 +319,51 @@ TASKS: dict[str, Task] = {
                 batch=16,
                 pct_start=0.1,
                 final_div_factor=4.0,
+            ),
+        ),
+        Task(
+            name="megatron-accum",
+            held_out=True,
+            path="megatron",
+            center_lr=2e-3,
+            period=15,
+            steps=180,
+            warmup=20,
+            summary="the Megatron example with gradient accumulation and a warm-up longer than a "
+            "window (added after 3r, defined before any run of it and before the next candidate): "
+            "GPT 3x128, seq 128, global batch 32 in micro-batches of 2 (4 per arm per step), "
+            "weight decay 0.1, 20-iteration warm-up, cosine decay to LR/10, 12 windows of 15 "
+            "iterations, 15,360 tokens per arm per window",
+            options=dict(
+                layers=3,
+                hidden=128,
+                heads=4,
+                seq=128,
+                global_batch=32,
+                micro_batch=2,
+                extra="--weight-decay 0.1",
+            ),
+        ),
+        Task(
+            name="ddp-wide",
+            held_out=True,
+            path="torch",
+            center_lr=3e-3,
+            period=12,
+            steps=240,
+            warmup=48,
+            summary="byte-level GPT in plain torch, DDP, wide and shallow (added after 3r with "
+            "megatron-accum, defined before any run of it): AdamW + OneCycleLR with a 20% "
+            "warm-up from LR/25 and a cosine decay to LR/250, GPT 2x160, seq 96, 8 sequences per "
+            "rank, 20 windows of 12 steps, 9,216 tokens per arm per window",
+            options=dict(
+                width=160,
+                layers=2,
+                heads=5,
+                seq=96,
+                batch=8,
+                pct_start=0.2,
+                final_div_factor=10.0,
             ),
         ),
         Task(

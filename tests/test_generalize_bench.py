@@ -13,14 +13,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import generalize as g  # noqa: E402
 
 
-def test_two_tuning_tasks_and_nine_held_out_on_two_paths():
+def test_two_tuning_tasks_and_eleven_held_out_on_two_paths():
     assert sorted(t.name for t in g.TASKS.values() if not t.held_out) == ["megatron-8x", "onecycle-ddp"]
     assert sorted(t.name for t in g.TASKS.values() if t.held_out) == [
         "ddp-long",
         "ddp-period25",
         "ddp-shortwu",
+        "ddp-wide",
         "hsdp-cosine",
         "hsdp-longwu",
+        "megatron-accum",
         "megatron-constant",
         "megatron-longwu",
         "megatron-wide",
