@@ -89,17 +89,15 @@ WIDE_LINE_WIDTH = 0.3
 #: as rows ``{name}-x{g}`` at the same guesses (on the tuning tasks only). ``nohold``: the warm-up hold off
 #: (the defaults before it, 3i); ``wline``: the line scored wider than the arms train; ``narrow``: the narrow
 #: spread alone (the line at the arms' own points); ``offn``: the narrow spread with auto-LR off (what it
-#: costs); ``off9``: auto-LR off at the paper's spread of 1/9 (3k); ``drise``: the prototype
-#: ``decay_scaled_rise`` (3s). The variants of the prototypes rejected in 3e-3r went with them (BENCHMARKS.md
-#: 3e: the rows of 3e-3m rerun at commit b3a601d; 3p: ``holdfirst``'s at commit b32f5fe; 3r: ``jk16`` and
-#: ``jk16s`` at commit 6a105d6).
+#: costs); ``off9``: auto-LR off at the paper's spread of 1/9 (3k). The variants of the prototypes rejected
+#: in 3e-3s went with them (BENCHMARKS.md 3e: the rows of 3e-3m rerun at commit b3a601d; 3p: ``holdfirst``'s
+#: at commit b32f5fe; 3r: ``jk16`` and ``jk16s`` at commit 6a105d6; 3s: ``drise`` at commit 3e7d803).
 VARIANTS: dict[str, Variant] = {
     "nohold": Variant(warmup_hold=False),
     "wline": Variant(spread=NARROW_SPREAD, line_width=WIDE_LINE_WIDTH),
     "narrow": Variant(spread=NARROW_SPREAD),
     "offn": Variant(spread=NARROW_SPREAD, auto=False),
     "off9": Variant(spread=1.0 / 9.0, auto=False),
-    "drise": Variant(prototypes=("decay_scaled_rise",)),
 }
 #: How far a sweep may extend past its first five points looking for a bracketed best.
 MAX_EXTENSIONS = 3

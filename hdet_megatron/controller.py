@@ -78,20 +78,14 @@ NEWTON_MAX_STEP = 2.0
 
 #: Issue 35's prototypes, off unless a benchmark switches them on in its own process (not API:
 #: they are measured on the tuning tasks before any becomes a config field). None is open now:
-#: the prototypes measured and rejected in BENCHMARKS 3e-3r were removed from the code (those
+#: the prototypes measured and rejected in BENCHMARKS 3e-3s were removed from the code (those
 #: of 3e-3m rerun at commit b3a601d, ``hold_first`` of 3n and 3p at commit b32f5fe, the
-#: unclipped jackknife of 3r at commit 6a105d6). The line scored wider than the arms train,
-#: measured as the prototype ``"wide_line"`` (3j, 3l), is the config field
-#: ``HDETConfig.line_width``, and the defaults before the warm-up hold are
-#: ``HDETConfig(warmup_hold=False)``.
-#:
-#: Open (BENCHMARKS 3s): ``"decay_scaled_rise"``, the issue's defect (1) "nothing looks at the
-#: base schedule's decay": a rising LR velocity is multiplied by the base schedule's value over
-#: its peak so far (1 until the decay starts, the schedule's own fraction after), so the
-#: controller's authority to raise the LR shrinks as the user's schedule anneals; descents are
-#: unchanged. Kept in memory only (a benchmark run does not resume).
+#: unclipped jackknife of 3r at commit 6a105d6, ``decay_scaled_rise`` of 3s at commit
+#: 3e7d803). The line scored wider than the arms train, measured as the prototype
+#: ``"wide_line"`` (3j, 3l), is the config field ``HDETConfig.line_width``, and the defaults
+#: before the warm-up hold are ``HDETConfig(warmup_hold=False)``.
 PROTOTYPES: set[str] = set()
-KNOWN_PROTOTYPES: frozenset[str] = frozenset({"decay_scaled_rise"})
+KNOWN_PROTOTYPES: frozenset[str] = frozenset()
 
 #: The brake needs a spike or rise this many times the window's noise (the spread of the other
 #: arms' training losses) besides its relative threshold: noise alone must not cut the LR.
@@ -322,9 +316,6 @@ class AutoController:
         """Per brake statistic (``spike``, ``lift``): windows seen and the EWMA of its square."""
         self.last_bases: dict[str, float] = {}
         """The base schedule's values at the previous update (the warm-up hold's evidence)."""
-        self._peak_bases: dict[str, float] = {}
-        """The prototype ``decay_scaled_rise``: the base schedule's largest value per axis at the
-        updates so far (in memory only)."""
         self.last_halves: tuple[float, float] | None = None
         """The previous window's mean training loss of the lower and the upper half of the arms
         by LR multiplier (the brake's rise test)."""
@@ -477,10 +468,6 @@ class AutoController:
             warming = name in bases and bases[name] > previous_bases.get(name, math.inf)
             if cfg.warmup_hold and _is_lr(axis) and warming and v > 0:
                 v = 0.0
-            if "decay_scaled_rise" in PROTOTYPES and _is_lr(axis) and v > 0 and name in bases:
-                peak = max(self._peak_bases.get(name, 0.0), bases[name])
-                if peak > 0:
-                    v *= bases[name] / peak
             new_velocity[name] = v
             if axis.additive:
                 new_scale[name] = self._bound_shift(axis, c + meta_lr * v, base)
@@ -515,8 +502,6 @@ class AutoController:
         self._scale = new_scale
         self._velocity = new_velocity
         self.last_bases = bases
-        for name, value in bases.items():
-            self._peak_bases[name] = max(self._peak_bases.get(name, value), value)
         self.window += 1
         if move:
             self.num_updates += 1

@@ -1,8 +1,9 @@
 """Issue 35's controller prototypes (``hdet_megatron.controller.PROTOTYPES``, off unless a
 benchmark switches them on; none is open now), and the line scored wider than the arms train
 (the prototype ``wide_line`` once, the config field ``line_width`` now). The prototypes rejected
-in BENCHMARKS 3e-3r were removed with their tests (those of 3e-3m rerun at commit b3a601d,
-``hold_first`` at commit b32f5fe, the unclipped jackknife at commit 6a105d6)."""
+in BENCHMARKS 3e-3s were removed with their tests (those of 3e-3m rerun at commit b3a601d,
+``hold_first`` at commit b32f5fe, the unclipped jackknife at commit 6a105d6, the decay-scaled rise
+at commit 3e7d803)."""
 
 from __future__ import annotations
 
@@ -66,29 +67,3 @@ def test_a_line_width_scores_the_line_wider_than_the_arms_train():
     losses = [(p - 1.2) ** 2 for p in RHO[:3]] + [math.inf]
     fit = fit_line(wide, losses, narrow, 1.0)
     assert all(math.isfinite(x) for x in fit.pseudo_losses) and fit.curvature == pytest.approx(2.0)
-
-
-def test_decay_scaled_rise_weighs_rises_by_the_base_schedules_fraction_of_its_peak(prototypes):
-    """BENCHMARKS 3s: a rise's velocity times base / peak base so far; descents and the windows
-    at the peak as the defaults'; off, bit-identical to the defaults."""
-    up, down = _line([1.2] * 4), _line([0.8] * 4)
-    bases = [1.0, 1.0, 0.5, 0.25, 0.25]  # a peak, then the decay
-    lines = [up, up, up, up, down]
-
-    def run() -> list[float]:
-        ctrl = _controller()
-        out = []
-        for step, (base, line) in enumerate(zip(bases, lines, strict=True)):
-            update = ctrl.update(
-                line.pseudo_losses, {"lr": RHO}, step=10 * (step + 1), base_values={"lr": base}, line=line
-            )
-            out.append(update.velocities["lr"])
-        return out
-
-    plain = run()
-    prototypes.add("decay_scaled_rise")
-    damped = run()
-    assert damped[:2] == plain[:2]  # at the peak: the same rises
-    assert damped[2] == plain[2] * 0.5 and damped[3] == plain[3] * 0.25  # momentum 0: exact
-    assert damped[4] == plain[4] < 0  # a descent is not weighed
-    assert plain[2] == plain[0] > 0
