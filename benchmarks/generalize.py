@@ -1,5 +1,5 @@
-"""Generalization of auto-LR (issue 35): thirteen tasks, each against its own LR sweep and the LR-free
-optimizers a user would pick instead of a sweep.
+"""Generalization of auto-LR (issue 35): thirteen tasks, each against its own LR sweep and the
+LR-free optimizers a user would pick instead of a sweep.
 
     .venv/bin/pip install -e '.[bench]'                                  # schedulefree, prodigyopt
     .venv/bin/python benchmarks/generalize.py --tasks megatron-8x onecycle-ddp --seeds 1234
@@ -29,8 +29,8 @@ warm-up, added after the warm-up hold was frozen), ``ddp-shortwu`` and ``megatro
 after 3i, before any run of them, for the narrow spread with a wide line), ``ddp-long`` (40
 small windows, added after 3n before any run of it), ``megatron-constant`` and ``ddp-period25``
 (3q) and ``megatron-accum`` and ``ddp-wide`` (3s, each defined before any run of it) are *held
-out*: they run once, with nothing changed, after the rule is frozen, and the runner refuses them without
-``--held-out``.
+out*: they run once, with nothing changed, after the rule is frozen, and the runner refuses them
+without ``--held-out``.
 A finished run (its ``final`` record present) is not run again; ``--force`` reruns.
 Results: ``generalize.json`` (one row per run), ``generalize.md`` (per task: every row's final
 validation loss and its gap to that seed's best sweep point) under ``--out``; the per-window
@@ -85,13 +85,15 @@ class Variant:
 NARROW_SPREAD = 0.05
 #: ``wline``: the half-width of the line's points (the default LR spread with a line signal).
 WIDE_LINE_WIDTH = 0.3
-#: Controller prototypes, spreads, line widths and config fields (``--variants``) over the defaults, measured
-#: as rows ``{name}-x{g}`` at the same guesses (on the tuning tasks only). ``nohold``: the warm-up hold off
-#: (the defaults before it, 3i); ``wline``: the line scored wider than the arms train; ``narrow``: the narrow
-#: spread alone (the line at the arms' own points); ``offn``: the narrow spread with auto-LR off (what it
-#: costs); ``off9``: auto-LR off at the paper's spread of 1/9 (3k). The variants of the prototypes rejected
-#: in 3e-3s went with them (BENCHMARKS.md 3e: the rows of 3e-3m rerun at commit b3a601d; 3p: ``holdfirst``'s
-#: at commit b32f5fe; 3r: ``jk16`` and ``jk16s`` at commit 6a105d6; 3s: ``drise`` at commit 3e7d803).
+#: Controller prototypes, spreads, line widths and config fields (``--variants``) over the
+#: defaults, measured as rows ``{name}-x{g}`` at the same guesses (on the tuning tasks only).
+#: ``nohold``: the warm-up hold off (the defaults before it, 3i); ``wline``: the line scored
+#: wider than the arms train; ``narrow``: the narrow spread alone (the line at the arms' own
+#: points); ``offn``: the narrow spread with auto-LR off (what it costs); ``off9``: auto-LR off
+#: at the paper's spread of 1/9 (3k). The variants of the prototypes rejected in 3e-3s went with
+#: them (BENCHMARKS.md 3e: the rows of 3e-3m rerun at commit b3a601d; 3p: ``holdfirst``'s at
+#: commit b32f5fe; 3r: ``jk16`` and ``jk16s`` at commit 6a105d6; 3s: ``drise`` at commit
+#: 3e7d803).
 VARIANTS: dict[str, Variant] = {
     "nohold": Variant(warmup_hold=False),
     "wline": Variant(spread=NARROW_SPREAD, line_width=WIDE_LINE_WIDTH),
