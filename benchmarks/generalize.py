@@ -28,9 +28,9 @@ warm-up, added later for rules that act only in a warm-up), ``hsdp-longwu`` (FSD
 warm-up, added after the warm-up hold was frozen), ``ddp-shortwu`` and ``megatron-wide`` (added
 after 3i, before any run of them, for the narrow spread with a wide line), ``ddp-long`` (40
 small windows, added after 3n before any run of it), ``megatron-constant`` and ``ddp-period25``
-(3q) and ``megatron-accum`` and ``ddp-wide`` (3s, each defined before any run of it) are *held
-out*: they run once, with nothing changed, after the rule is frozen, and the runner refuses them
-without ``--held-out``.
+(3q), ``megatron-accum`` and ``ddp-wide`` (3s) and ``megatron-deep`` and ``ddp-nowarm`` (3t),
+each defined before any run of it, are *held out*: they run once, with nothing changed, after
+the rule is frozen, and the runner refuses them without ``--held-out``.
 A finished run (its ``final`` record present) is not run again; ``--force`` reruns.
 Results: ``generalize.json`` (one row per run), ``generalize.md`` (per task: every row's final
 validation loss and its gap to that seed's best sweep point) under ``--out``; the per-window
@@ -389,6 +389,51 @@ TASKS: dict[str, Task] = {
                 div_factor=10.0,
                 final_div_factor=1.0,
                 fsdp=1,
+            ),
+        ),
+        Task(
+            name="megatron-deep",
+            held_out=True,
+            path="megatron",
+            center_lr=2e-3,
+            period=12,
+            steps=144,
+            warmup=10,
+            summary="the Megatron example, deep and narrow with few tokens per window (added after "
+            "3t, defined before any run of it and before the next candidate): GPT 6x96, seq 128, "
+            "global batch 16 (4 sequences per arm per step), 10-iteration warm-up, linear decay to "
+            "LR/10, 12 windows of 12 iterations, 6,144 tokens per arm per window",
+            options=dict(
+                layers=6,
+                hidden=96,
+                heads=4,
+                seq=128,
+                global_batch=16,
+                micro_batch=4,
+                extra="--lr-decay-style linear",
+            ),
+        ),
+        Task(
+            name="ddp-nowarm",
+            held_out=True,
+            path="torch",
+            center_lr=2e-3,
+            period=10,
+            steps=200,
+            warmup=10,
+            summary="byte-level GPT in plain torch, DDP, no warm-up (added after 3t with "
+            "megatron-deep, defined before any run of it): AdamW + OneCycleLR starting at the peak "
+            "(div factor 1, 5% flat) and a cosine decay to LR/40, GPT 3x96, seq 128, 6 sequences "
+            "per rank, 20 windows of 10 steps, 7,680 tokens per arm per window",
+            options=dict(
+                width=96,
+                layers=3,
+                heads=4,
+                seq=128,
+                batch=6,
+                pct_start=0.05,
+                div_factor=1.0,
+                final_div_factor=40.0,
             ),
         ),
     )

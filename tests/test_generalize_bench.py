@@ -13,10 +13,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import generalize as g  # noqa: E402
 
 
-def test_two_tuning_tasks_and_eleven_held_out_on_two_paths():
+def test_two_tuning_tasks_and_thirteen_held_out_on_two_paths():
     assert sorted(t.name for t in g.TASKS.values() if not t.held_out) == ["megatron-8x", "onecycle-ddp"]
     assert sorted(t.name for t in g.TASKS.values() if t.held_out) == [
         "ddp-long",
+        "ddp-nowarm",
         "ddp-period25",
         "ddp-shortwu",
         "ddp-wide",
@@ -24,6 +25,7 @@ def test_two_tuning_tasks_and_eleven_held_out_on_two_paths():
         "hsdp-longwu",
         "megatron-accum",
         "megatron-constant",
+        "megatron-deep",
         "megatron-longwu",
         "megatron-wide",
         "megatron-wsd",
