@@ -1,4 +1,4 @@
-"""Generalization of auto-LR (issue 35): thirteen tasks, each against its own LR sweep and the
+"""Generalization of auto-LR (issue 35): fifteen tasks, each against its own LR sweep and the
 LR-free optimizers a user would pick instead of a sweep.
 
     .venv/bin/pip install -e '.[bench]'                                  # schedulefree, prodigyopt
